@@ -1,0 +1,50 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# On a machine without an NVIDIA GPU this must stay a CPU build: an unpinned torch pulls a
+# multi-GB CUDA build from PyPI. Here `torch==2.13.0` resolves to a CPU wheel on local disk;
+# elsewhere, CPU-only users add PyTorch's CPU index with TORCH_PIP_ARGS="--index-url <cpu index>".
+TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: setup setup-dev demo test test-fast lint bench-store clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(BIN)/python
+	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: installing torch (CUDA)"; \
+	else echo "no GPU: installing torch==$(TORCH_VERSION) (CPU)"; fi
+	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
+
+demo: setup
+	$(BIN)/python -m lightning_core.demo
+
+test: setup-dev
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup-dev
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+lint: setup-dev
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench-store: setup
+	$(BIN)/python benchmarks/store_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

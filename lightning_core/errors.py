@@ -1,0 +1,62 @@
+"""Errors a user or a client can cause, each with the HTTP status the server answers with.
+
+The HTTP client raises the same types from the server's answers, so code that handles errors
+works the same against the in-process store and a remote one.
+"""
+
+from __future__ import annotations
+
+
+class LightningError(Exception):
+    """Base of every error that says what the user did wrong and how to fix it."""
+
+    status_code = 400
+
+
+class InvalidInput(LightningError):
+    status_code = 400
+
+
+class NotFound(LightningError):
+    status_code = 404
+
+
+class IllegalTransition(LightningError):
+    """A status change the rollout or attempt lifecycle does not allow."""
+
+    status_code = 409
+
+
+class Conflict(LightningError):
+    """The thing already exists (a policy version name is taken)."""
+
+    status_code = 409
+
+
+class PayloadTooLarge(LightningError):
+    status_code = 413
+
+
+class Unauthorized(LightningError):
+    status_code = 401
+
+
+class StoreUnavailable(LightningError):
+    """The store server cannot be reached or answered with a server error."""
+
+    status_code = 503
+
+
+ERRORS_BY_NAME: dict[str, type[LightningError]] = {
+    cls.__name__: cls
+    for cls in (
+        LightningError,
+        InvalidInput,
+        NotFound,
+        IllegalTransition,
+        Conflict,
+        PayloadTooLarge,
+        Unauthorized,
+        StoreUnavailable,
+    )
+}

@@ -1,0 +1,102 @@
+"""The LightningStore protocol: one interface for the in-process store and the HTTP client."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+from lightning_core.types import (
+    Attempt,
+    Claim,
+    PolicyVersion,
+    Rollout,
+    RolloutMode,
+    RolloutRequest,
+    RolloutStatus,
+    Span,
+    Transition,
+)
+
+# "latest" selects the newest attempt of each rollout, which is what a trainer wants after retries.
+AttemptSelector = Literal["latest"] | str | None
+
+
+@runtime_checkable
+class LightningStore(Protocol):
+    """Rollout queue, span sink and transition table shared by the algorithm and the runners.
+
+    Every write returns only once it is durable, and a call that writes several things (a batch
+    of rollouts, spans or transitions) lands whole or not at all. A claim (`dequeue`) is the one
+    exception: it is a lease, durable before any write of its attempt is acknowledged.
+    """
+
+    async def enqueue_rollouts(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
+        """Queue new rollouts, in order."""
+        ...
+
+    async def dequeue(self, worker_id: str, wait: float = 0.0) -> Claim | None:
+        """Claim the oldest queued rollout for `worker_id` as a new attempt.
+
+        Waits up to `wait` seconds for work to arrive; None when there is none.
+        """
+        ...
+
+    async def heartbeat(self, attempt_id: str) -> Attempt:
+        """Tell the store the worker of a running attempt is alive."""
+        ...
+
+    async def complete_attempt(self, attempt_id: str, reward: float | None = None) -> Rollout:
+        """Mark the attempt and its rollout succeeded.
+
+        Without `reward`, the final reward is the last primary reward span of the attempt.
+        """
+        ...
+
+    async def fail_attempt(self, attempt_id: str, error: str, retry: bool = True) -> Rollout:
+        """Mark the attempt failed; the rollout is requeued while attempts remain and `retry`."""
+        ...
+
+    async def cancel_rollout(self, rollout_id: str) -> Rollout: ...
+
+    async def get_rollout(self, rollout_id: str) -> Rollout: ...
+
+    async def query_rollouts(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        status: Sequence[RolloutStatus] | None = None,
+        mode: RolloutMode | None = None,
+        group_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[Rollout]: ...
+
+    async def query_attempts(self, rollout_id: str) -> list[Attempt]: ...
+
+    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: float) -> list[Rollout]:
+        """The finished rollouts among `rollout_ids`, waiting up to `timeout` s for all of them."""
+        ...
+
+    async def add_spans(self, spans: Sequence[Span]) -> int:
+        """Store spans; returns how many were accepted (a re-sent span is stored once)."""
+        ...
+
+    async def query_spans(
+        self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
+    ) -> list[Span]:
+        """Spans of the rollouts in arrival order; `attempt_id` filters (or "latest")."""
+        ...
+
+    async def add_transitions(self, transitions: Sequence[Transition]) -> int: ...
+
+    async def query_transitions(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        policy_version: str | None = None,
+    ) -> list[Transition]: ...
+
+    async def add_policy_version(self, version: PolicyVersion) -> PolicyVersion: ...
+
+    async def get_policy_version(self, name: str) -> PolicyVersion: ...
+
+    async def list_policy_versions(self) -> list[PolicyVersion]: ...
+
+    async def close(self) -> None: ...

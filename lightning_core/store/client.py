@@ -1,0 +1,273 @@
+"""A LightningStore that talks to `lightning-rl serve` over HTTP.
+
+It implements the same protocol as the in-process DuckDBStore and raises the same exceptions, so
+runners and algorithms are written once and run either way.
+
+Concurrent `add_spans` calls are coalesced: while one request is in flight, the spans of every
+caller that arrives meanwhile go out together in the next request. Thirty-two runners then cost
+the server a handful of requests per round instead of thirty-two, and each caller still returns
+only when its own spans are durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+
+from lightning_core.errors import ERRORS_BY_NAME, LightningError, StoreUnavailable
+from lightning_core.store.base import AttemptSelector
+from lightning_core.types import (
+    Attempt,
+    Claim,
+    PolicyVersion,
+    Rollout,
+    RolloutMode,
+    RolloutRequest,
+    RolloutStatus,
+    Span,
+    Transition,
+)
+
+
+class _SpanBatcher:
+    """Coalesces concurrent add_spans calls into as few requests as possible."""
+
+    def __init__(self, send) -> None:
+        self._send = send
+        self._waiting: list[tuple[list[dict[str, Any]], asyncio.Future[int]]] = []
+        self._sender: asyncio.Task[None] | None = None
+
+    async def add(self, spans: list[dict[str, Any]]) -> int:
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting.append((spans, future))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, []
+            try:
+                await self._send([s for spans, _ in batch for s in spans])
+            except LightningError as exc:
+                if len(batch) == 1:
+                    batch[0][1].set_exception(exc)
+                    continue
+                # One caller's bad span must not fail the others: resend each batch on its own,
+                # so that every caller gets its own answer.
+                for spans, future in batch:
+                    try:
+                        future.set_result(await self._send(spans))
+                    except LightningError as one_exc:
+                        future.set_exception(one_exc)
+                continue
+            except BaseException as exc:
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for spans, future in batch:
+                future.set_result(len(spans))
+
+
+class HttpStoreClient:
+    """LightningStore over HTTP; `url` is the server's root, e.g. http://127.0.0.1:4747."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_connections: int = 64,
+    ) -> None:
+        self.url = url.rstrip("/")
+        key = api_key if api_key is not None else os.environ.get("LIGHTNING_API_KEY")
+        self._headers = {"content-type": "application/json"}
+        if key:
+            self._headers["authorization"] = f"Bearer {key}"
+        self._timeout = timeout
+        self._max_connections = max_connections
+        # aiohttp, not httpx: at 32 concurrent runners httpx's pool bookkeeping cost more CPU
+        # than everything else the runners do. The session binds to the loop of first use.
+        self._session: aiohttp.ClientSession | None = None
+        self._spans = _SpanBatcher(self._send_spans)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                base_url=self.url + "/",
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self._timeout),
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                json_serialize=lambda x: orjson.dumps(x).decode(),
+            )
+        return self._session
+
+    async def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None):
+        content = orjson.dumps(body) if body is not None else None
+        extra = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout is not None else {}
+        try:
+            async with self._http().request(
+                method, path.lstrip("/"), data=content, **extra
+            ) as response:
+                payload = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise StoreUnavailable(
+                f"cannot reach the store at {self.url}: {exc!r}; is `lightning-rl serve` running?"
+            ) from exc
+        if status >= 400:
+            raise _error_from(status, payload)
+        return orjson.loads(payload) if payload else None
+
+    async def _send_spans(self, spans: list[dict[str, Any]]) -> int:
+        return (await self._call("POST", "/store/spans", {"spans": spans}))["count"]
+
+    # ------------------------------------------------------------------ queue
+
+    async def enqueue_rollouts(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
+        body = {"rollouts": [r.model_dump(mode="json") for r in requests]}
+        return [
+            Rollout.model_validate(r) for r in await self._call("POST", "/store/rollouts", body)
+        ]
+
+    async def enqueue_rollout(self, request: RolloutRequest) -> Rollout:
+        return (await self.enqueue_rollouts([request]))[0]
+
+    async def dequeue(self, worker_id: str, wait: float = 0.0) -> Claim | None:
+        body = {"worker_id": worker_id, "wait": wait}
+        data = await self._call("POST", "/store/dequeue", body, timeout=wait + 30)
+        return Claim.model_validate(data) if data else None
+
+    async def heartbeat(self, attempt_id: str) -> Attempt:
+        data = await self._call("POST", f"/store/attempts/{attempt_id}/heartbeat")
+        return Attempt.model_validate(data)
+
+    async def complete_attempt(self, attempt_id: str, reward: float | None = None) -> Rollout:
+        data = await self._call(
+            "POST", f"/store/attempts/{attempt_id}/complete", {"reward": reward}
+        )
+        return Rollout.model_validate(data)
+
+    async def fail_attempt(self, attempt_id: str, error: str, retry: bool = True) -> Rollout:
+        body = {"error": error, "retry": retry}
+        return Rollout.model_validate(
+            await self._call("POST", f"/store/attempts/{attempt_id}/fail", body)
+        )
+
+    async def cancel_rollout(self, rollout_id: str) -> Rollout:
+        return Rollout.model_validate(
+            await self._call("POST", f"/store/rollouts/{rollout_id}/cancel")
+        )
+
+    # ------------------------------------------------------------------ rollout queries
+
+    async def get_rollout(self, rollout_id: str) -> Rollout:
+        return Rollout.model_validate(await self._call("GET", f"/store/rollouts/{rollout_id}"))
+
+    async def query_rollouts(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        status: Sequence[RolloutStatus] | None = None,
+        mode: RolloutMode | None = None,
+        group_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[Rollout]:
+        body = {
+            "rollout_ids": list(rollout_ids) if rollout_ids is not None else None,
+            "status": [RolloutStatus(s).value for s in status] if status else None,
+            "mode": RolloutMode(mode).value if mode else None,
+            "group_id": group_id,
+            "limit": limit,
+        }
+        data = await self._call("POST", "/store/rollouts/query", body)
+        return [Rollout.model_validate(r) for r in data]
+
+    async def query_attempts(self, rollout_id: str) -> list[Attempt]:
+        data = await self._call("GET", f"/store/rollouts/{rollout_id}/attempts")
+        return [Attempt.model_validate(a) for a in data]
+
+    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: float) -> list[Rollout]:
+        # The server caps one wait; longer waits are several requests.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            chunk = min(max(deadline - loop.time(), 0.0), 30.0)
+            body = {"rollout_ids": list(rollout_ids), "timeout": chunk}
+            data = await self._call("POST", "/store/wait", body, timeout=chunk + 30)
+            if len(data) == len(rollout_ids) or loop.time() >= deadline:
+                return [Rollout.model_validate(r) for r in data]
+
+    # ------------------------------------------------------------------ spans
+
+    async def add_spans(self, spans: Sequence[Span]) -> int:
+        if not spans:
+            return 0
+        return await self._spans.add([s.model_dump(mode="json") for s in spans])
+
+    async def query_spans(
+        self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
+    ) -> list[Span]:
+        body = {"rollout_ids": list(rollout_ids), "attempt_id": attempt_id}
+        return [
+            Span.model_validate(s) for s in await self._call("POST", "/store/spans/query", body)
+        ]
+
+    # ------------------------------------------------------------------ transitions
+
+    async def add_transitions(self, transitions: Sequence[Transition]) -> int:
+        body = {"transitions": [t.model_dump(mode="json") for t in transitions]}
+        return (await self._call("POST", "/store/transitions", body))["count"]
+
+    async def query_transitions(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        policy_version: str | None = None,
+    ) -> list[Transition]:
+        body = {
+            "rollout_ids": list(rollout_ids) if rollout_ids is not None else None,
+            "policy_version": policy_version,
+        }
+        data = await self._call("POST", "/store/transitions/query", body)
+        return [Transition.model_validate(t) for t in data]
+
+    # ------------------------------------------------------------------ policy versions
+
+    async def add_policy_version(self, version: PolicyVersion) -> PolicyVersion:
+        data = await self._call("POST", "/store/policy-versions", version.model_dump(mode="json"))
+        return PolicyVersion.model_validate(data)
+
+    async def get_policy_version(self, name: str) -> PolicyVersion:
+        return PolicyVersion.model_validate(
+            await self._call("GET", f"/store/policy-versions/{name}")
+        )
+
+    async def list_policy_versions(self) -> list[PolicyVersion]:
+        data = await self._call("GET", "/store/policy-versions")
+        return [PolicyVersion.model_validate(v) for v in data]
+
+    async def health(self) -> bool:
+        try:
+            return (await self._call("GET", "/health"))["status"] == "ok"
+        except StoreUnavailable:
+            return False
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _error_from(status: int, payload: bytes) -> LightningError:
+    try:
+        error = orjson.loads(payload)["error"]
+        cls = ERRORS_BY_NAME.get(error["type"], LightningError)
+        return cls(error["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        text = payload[:500].decode(errors="replace")
+        if status >= 500:
+            return StoreUnavailable(f"store answered {status}: {text}")
+        return LightningError(f"store answered {status}: {text}")

@@ -1,0 +1,29 @@
+"""Configuration of the store: where it lives and when a silent attempt is given up on."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class StoreConfig(BaseModel):
+    """Settings of a DuckDB-backed LightningStore."""
+
+    db: str = Field(
+        "lightning.duckdb",
+        description="DuckDB file of the store; ':memory:' keeps nothing after exit (tests only).",
+    )
+    attempt_timeout_s: float | None = Field(
+        1800.0,
+        gt=0,
+        description="An attempt running longer than this is stopped and its rollout requeued or "
+        "failed; None for no limit. Half an hour covers long multi-turn agents.",
+    )
+    unresponsive_timeout_s: float | None = Field(
+        300.0,
+        gt=0,
+        description="An attempt with neither a heartbeat nor a span for this long is presumed dead "
+        "(worker crashed, machine lost) and its rollout requeued or failed; None to wait forever.",
+    )
+    watchdog_interval_s: float = Field(
+        1.0, gt=0, description="How often the store looks for timed-out and unresponsive attempts."
+    )

@@ -1,0 +1,597 @@
+"""The LightningStore on a DuckDB file: a durable queue, span sink and transition table.
+
+How it stays fast and durable at once:
+- The live state (rollouts, attempts, the queue) is kept in memory and changed on the event loop,
+  one operation at a time, so every check and status move is atomic without locks.
+- Every change appends rows to a pending batch. A single writer thread commits the pending batch
+  as one DuckDB transaction (group commit; DuckDB fsyncs its WAL on commit), and an operation
+  returns only after the batch holding its rows has committed. While one batch commits, the next
+  one fills, so a thousand concurrent writers cost a few fsyncs, not a thousand.
+- Reads of spans and transitions first wait for the batch in flight, so they see every write that
+  was acknowledged before them, and run on their own DuckDB cursors in worker threads.
+On start the live state is rebuilt from the latest row of each rollout and attempt in the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from lightning_core import semconv
+from lightning_core.errors import (
+    Conflict,
+    IllegalTransition,
+    InvalidInput,
+    NotFound,
+    StoreUnavailable,
+)
+from lightning_core.store import schema
+from lightning_core.store.base import AttemptSelector
+from lightning_core.store.config import StoreConfig
+from lightning_core.types import (
+    Attempt,
+    AttemptStatus,
+    Claim,
+    PolicyVersion,
+    Rollout,
+    RolloutMode,
+    RolloutRequest,
+    RolloutStatus,
+    Span,
+    Transition,
+    new_id,
+    now,
+)
+
+
+class _Signal:
+    """Wakes every waiter once per `fire`; waiters re-check their condition after waking."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        if timeout <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
+class DuckDBStore:
+    """LightningStore backed by a DuckDB file (or ':memory:' for tests)."""
+
+    def __init__(self, config: StoreConfig | None = None, **overrides: Any) -> None:
+        self.config = (config or StoreConfig()).model_copy(update=overrides)
+        path = self.config.db
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = duckdb.connect(path, config={"checkpoint_threshold": "256MB"})
+        except duckdb.IOException as exc:
+            raise StoreUnavailable(
+                f"cannot open the store database {path!r}: {exc}. Another process (a running "
+                "`lightning-rl serve`?) may hold it; stop it or choose another --db."
+            ) from exc
+        for table in schema.TABLES:
+            self._db.execute(table.ddl)
+        for view in schema.VIEWS:
+            self._db.execute(view)
+        self._writer_con = self._db.cursor()
+        self._local = threading.local()
+        # One thread owns every write, which keeps commits in the order operations were made.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="lightning-store-writer")
+
+        self._rollouts: dict[str, Rollout] = {}
+        self._attempts: dict[str, Attempt] = {}
+        self._attempts_of: dict[str, list[str]] = defaultdict(list)
+        self._queue: deque[str] = deque()
+        self._policies: dict[str, PolicyVersion] = {}
+        self._last_reward: dict[str, float] = {}
+        self._seen_spans: set[tuple[str, str]] = set()
+        self._log_seq = 0
+        self._span_seq = 0
+        self._load()
+
+        self._pending: dict[schema.Table, list[tuple[Any, ...]]] = defaultdict(list)
+        self._written = 0
+        self._durable = 0
+        self._flush_task: asyncio.Task[None] | None = None
+        self._broken: BaseException | None = None
+        self._work_arrived = _Signal()
+        self._rollout_finished = _Signal()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ start-up
+
+    def _load(self) -> None:
+        con = self._db
+        self._log_seq = (
+            con.execute(
+                "SELECT greatest((SELECT max(log_seq) FROM rollout_log), "
+                "(SELECT max(log_seq) FROM attempt_log))"
+            ).fetchone()[0]
+            or 0
+        )
+        self._span_seq = con.execute("SELECT max(sequence_id) FROM spans").fetchone()[0] or 0
+        for row in self._fetch_dicts(con, "SELECT * FROM rollouts ORDER BY enqueued_at"):
+            rollout = Rollout.model_validate(row)
+            self._rollouts[rollout.rollout_id] = rollout
+            if rollout.status in (RolloutStatus.queuing, RolloutStatus.requeuing):
+                self._queue.append(rollout.rollout_id)
+        restarted_at = now()
+        for row in self._fetch_dicts(con, "SELECT * FROM attempts ORDER BY sequence_id"):
+            attempt = Attempt.model_validate(row)
+            if attempt.status is AttemptStatus.running:
+                # Heartbeats are not persisted; a worker gets a full grace period after a restart.
+                attempt.last_heartbeat_at = restarted_at
+            self._attempts[attempt.attempt_id] = attempt
+            self._attempts_of[attempt.rollout_id].append(attempt.attempt_id)
+        for row in self._fetch_dicts(con, "SELECT * FROM policy_versions"):
+            version = PolicyVersion.model_validate(row)
+            self._policies[version.name] = version
+
+    @staticmethod
+    def _fetch_dicts(
+        con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] = (), parse_json=True
+    ) -> list[dict[str, Any]]:
+        cursor = con.execute(sql, params)
+        columns = [d[0] for d in cursor.description]
+        return [schema.row_dict(columns, row, parse_json) for row in cursor.fetchall()]
+
+    # ------------------------------------------------------------------ durability
+
+    def _log(self, table: schema.Table, row: tuple[Any, ...]) -> None:
+        self._pending[table].append(row)
+        self._written += 1
+
+    def _log_rollout(self, rollout: Rollout) -> None:
+        self._log_seq += 1
+        self._log(schema.ROLLOUT_LOG, schema.rollout_row(self._log_seq, rollout))
+
+    def _log_attempt(self, attempt: Attempt) -> None:
+        self._log_seq += 1
+        self._log(schema.ATTEMPT_LOG, schema.attempt_row(self._log_seq, attempt))
+
+    async def _sync(self) -> None:
+        """Return once every change made so far is committed to disk."""
+        target = self._written
+        while self._durable < target:
+            if self._broken is not None:
+                raise StoreUnavailable(f"the store's database failed: {self._broken}")
+            if self._flush_task is None or self._flush_task.done():
+                self._flush_task = asyncio.get_running_loop().create_task(self._flush())
+            try:
+                await asyncio.shield(self._flush_task)
+            except Exception as exc:  # the writer's error is reported to every waiter
+                raise StoreUnavailable(f"the store's database failed: {exc}") from exc
+
+    async def _flush(self) -> None:
+        batch, self._pending = self._pending, defaultdict(list)
+        upto = self._written
+        if batch:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._writer, self._commit, batch)
+            except BaseException as exc:
+                # The in-memory state now runs ahead of the file; refuse further work rather
+                # than acknowledge writes that may not exist after a restart.
+                self._broken = exc
+                raise
+        self._durable = upto
+
+    def _commit(self, batch: dict[schema.Table, list[tuple[Any, ...]]]) -> None:
+        con = self._writer_con
+        # One call for the whole transaction: every call into DuckDB gives up the GIL and must
+        # win it back from the busy event loop, so fewer calls mean shorter commits under load.
+        statements = ["BEGIN"]
+        for table, rows in batch.items():
+            view = f"_lightning_{table.name}"
+            con.register(view, table.to_arrow(rows))
+            statements.append(f"INSERT INTO {table.name} SELECT * FROM {view}")
+        statements.append("COMMIT")
+        try:
+            con.execute("; ".join(statements))
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    # ------------------------------------------------------------------ helpers
+
+    def _start_background(self) -> None:
+        if self._closed:
+            raise StoreUnavailable("the store is closed")
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    def _rollout(self, rollout_id: str) -> Rollout:
+        try:
+            return self._rollouts[rollout_id]
+        except KeyError:
+            raise NotFound(f"no rollout {rollout_id!r} in the store") from None
+
+    def _attempt(self, attempt_id: str) -> Attempt:
+        try:
+            return self._attempts[attempt_id]
+        except KeyError:
+            raise NotFound(f"no attempt {attempt_id!r} in the store") from None
+
+    def _running_attempt(self, attempt_id: str) -> tuple[Attempt, Rollout]:
+        attempt = self._attempt(attempt_id)
+        if attempt.status is not AttemptStatus.running:
+            raise IllegalTransition(
+                f"attempt {attempt_id} is {attempt.status.value}, no longer running"
+                + (f" ({attempt.error})" if attempt.error else "")
+                + "; its result is not accepted. Dequeue new work instead."
+            )
+        return attempt, self._rollouts[attempt.rollout_id]
+
+    def _end_attempt(
+        self, attempt: Attempt, rollout: Rollout, status: AttemptStatus, error: str | None, retry
+    ) -> None:
+        """Finish a running attempt unsuccessfully and requeue or fail its rollout."""
+        t = now()
+        attempt.status, attempt.ended_at, attempt.error = status, t, error
+        self._log_attempt(attempt)
+        if retry and rollout.attempt_count < rollout.max_attempts:
+            rollout.status.check_move(RolloutStatus.requeuing, f"rollout {rollout.rollout_id}")
+            rollout.status = RolloutStatus.requeuing
+            self._queue.append(rollout.rollout_id)
+            self._work_arrived.fire()
+        else:
+            rollout.status.check_move(RolloutStatus.failed, f"rollout {rollout.rollout_id}")
+            rollout.status, rollout.ended_at = RolloutStatus.failed, t
+            self._rollout_finished.fire()
+        self._log_rollout(rollout)
+
+    async def _watch(self) -> None:
+        """Give up on attempts that ran too long or went silent."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.watchdog_interval_s)
+            t = now()
+            for attempt in list(self._attempts.values()):
+                if attempt.status is not AttemptStatus.running:
+                    continue
+                rollout = self._rollouts[attempt.rollout_id]
+                if cfg.attempt_timeout_s and t - attempt.started_at > cfg.attempt_timeout_s:
+                    reason = f"ran longer than attempt_timeout_s={cfg.attempt_timeout_s}"
+                    self._end_attempt(attempt, rollout, AttemptStatus.timeout, reason, True)
+                elif (
+                    cfg.unresponsive_timeout_s
+                    and t - attempt.last_heartbeat_at > cfg.unresponsive_timeout_s
+                ):
+                    reason = f"no heartbeat or span for {cfg.unresponsive_timeout_s} s"
+                    self._end_attempt(attempt, rollout, AttemptStatus.unresponsive, reason, True)
+            try:
+                await self._sync()
+            except StoreUnavailable:
+                return
+
+    # ------------------------------------------------------------------ queue
+
+    async def enqueue_rollouts(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
+        self._start_background()
+        t = now()
+        created = []
+        for request in requests:
+            rollout = Rollout(
+                rollout_id=new_id("ro"), enqueued_at=t, **request.model_dump(exclude_unset=False)
+            )
+            created.append(rollout)
+        for rollout in created:
+            self._rollouts[rollout.rollout_id] = rollout
+            self._queue.append(rollout.rollout_id)
+            self._log_rollout(rollout)
+        if created:
+            self._work_arrived.fire()
+        await self._sync()
+        return [r.model_copy(deep=True) for r in created]
+
+    async def enqueue_rollout(self, request: RolloutRequest) -> Rollout:
+        return (await self.enqueue_rollouts([request]))[0]
+
+    def _claim(self, worker_id: str) -> Claim | None:
+        while self._queue:
+            rollout = self._rollouts[self._queue.popleft()]
+            if rollout.status not in (RolloutStatus.queuing, RolloutStatus.requeuing):
+                continue  # cancelled while it waited
+            t = now()
+            rollout.status.check_move(RolloutStatus.running, f"rollout {rollout.rollout_id}")
+            rollout.status = RolloutStatus.running
+            rollout.attempt_count += 1
+            rollout.started_at = rollout.started_at or t
+            attempt = Attempt(
+                attempt_id=new_id("at"),
+                rollout_id=rollout.rollout_id,
+                sequence_id=rollout.attempt_count,
+                worker_id=worker_id,
+                started_at=t,
+                last_heartbeat_at=t,
+            )
+            self._attempts[attempt.attempt_id] = attempt
+            self._attempts_of[rollout.rollout_id].append(attempt.attempt_id)
+            self._log_rollout(rollout)
+            self._log_attempt(attempt)
+            return Claim(rollout=rollout.model_copy(deep=True), attempt=attempt.model_copy())
+        return None
+
+    async def dequeue(self, worker_id: str, wait: float = 0.0) -> Claim | None:
+        self._start_background()
+        if not worker_id:
+            raise InvalidInput("worker_id must not be empty")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(wait, 0.0)
+        while True:
+            claim = self._claim(worker_id)
+            if claim is not None:
+                # A claim is a lease, not data: it is not waited for. Its rows commit before any
+                # write of the attempt can, and if the store dies first the rollout is simply
+                # still queued after the restart, and the attempt's writes are refused.
+                return claim
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            await self._work_arrived.wait(remaining)
+
+    async def heartbeat(self, attempt_id: str) -> Attempt:
+        self._start_background()
+        attempt, _ = self._running_attempt(attempt_id)
+        # Liveness only: not persisted, so a heartbeat costs no disk write.
+        attempt.last_heartbeat_at = now()
+        return attempt.model_copy()
+
+    async def complete_attempt(self, attempt_id: str, reward: float | None = None) -> Rollout:
+        self._start_background()
+        if reward is not None and not math.isfinite(reward):
+            raise InvalidInput(f"reward must be a finite number, got {reward}")
+        attempt, rollout = self._running_attempt(attempt_id)
+        rollout.status.check_move(RolloutStatus.succeeded, f"rollout {rollout.rollout_id}")
+        t = now()
+        attempt.status, attempt.ended_at = AttemptStatus.succeeded, t
+        rollout.status, rollout.ended_at = RolloutStatus.succeeded, t
+        rollout.final_reward = reward if reward is not None else self._last_reward.get(attempt_id)
+        self._log_attempt(attempt)
+        self._log_rollout(rollout)
+        self._rollout_finished.fire()
+        await self._sync()
+        return rollout.model_copy(deep=True)
+
+    async def fail_attempt(self, attempt_id: str, error: str, retry: bool = True) -> Rollout:
+        self._start_background()
+        attempt, rollout = self._running_attempt(attempt_id)
+        self._end_attempt(attempt, rollout, AttemptStatus.failed, error, retry)
+        await self._sync()
+        return rollout.model_copy(deep=True)
+
+    async def cancel_rollout(self, rollout_id: str) -> Rollout:
+        self._start_background()
+        rollout = self._rollout(rollout_id)
+        rollout.status.check_move(RolloutStatus.cancelled, f"rollout {rollout_id}")
+        t = now()
+        for attempt_id in self._attempts_of.get(rollout_id, ()):
+            attempt = self._attempts[attempt_id]
+            if attempt.status is AttemptStatus.running:
+                attempt.status, attempt.ended_at = AttemptStatus.cancelled, t
+                self._log_attempt(attempt)
+        rollout.status, rollout.ended_at = RolloutStatus.cancelled, t
+        self._log_rollout(rollout)
+        self._rollout_finished.fire()
+        await self._sync()
+        return rollout.model_copy(deep=True)
+
+    # ------------------------------------------------------------------ rollout queries
+
+    async def get_rollout(self, rollout_id: str) -> Rollout:
+        rollout = self._rollout(rollout_id)
+        await self._sync()
+        return rollout.model_copy(deep=True)
+
+    async def query_rollouts(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        status: Sequence[RolloutStatus] | None = None,
+        mode: RolloutMode | None = None,
+        group_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[Rollout]:
+        if rollout_ids is not None:
+            candidates = [self._rollouts[i] for i in rollout_ids if i in self._rollouts]
+        else:
+            candidates = list(self._rollouts.values())
+        wanted = set(status) if status else None
+        out = [
+            r
+            for r in candidates
+            if (wanted is None or r.status in wanted)
+            and (mode is None or r.mode == mode)
+            and (group_id is None or r.group_id == group_id)
+        ]
+        if limit is not None:
+            out = out[:limit]
+        await self._sync()
+        return [r.model_copy(deep=True) for r in out]
+
+    async def query_attempts(self, rollout_id: str) -> list[Attempt]:
+        self._rollout(rollout_id)
+        await self._sync()
+        return [self._attempts[a].model_copy() for a in self._attempts_of.get(rollout_id, ())]
+
+    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: float) -> list[Rollout]:
+        self._start_background()
+        rollouts = [self._rollout(i) for i in rollout_ids]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout, 0.0)
+        while True:
+            done = [r for r in rollouts if r.status.finished]
+            remaining = deadline - loop.time()
+            if len(done) == len(rollouts) or remaining <= 0:
+                await self._sync()
+                return [r.model_copy(deep=True) for r in done]
+            await self._rollout_finished.wait(remaining)
+
+    # ------------------------------------------------------------------ spans
+
+    async def add_spans(self, spans: Sequence[Span]) -> int:
+        self._start_background()
+        # Check the whole batch before touching anything, so it lands whole or not at all.
+        for span in spans:
+            attempt = self._attempt(span.attempt_id)
+            if attempt.rollout_id != span.rollout_id:
+                raise InvalidInput(
+                    f"span {span.span_id}: attempt {span.attempt_id} belongs to rollout "
+                    f"{attempt.rollout_id}, not {span.rollout_id}"
+                )
+            if span.name == semconv.REWARD_SPAN:
+                value = span.attributes.get(semconv.REWARD_VALUE)
+                if not isinstance(value, int | float) or not math.isfinite(value):
+                    raise InvalidInput(
+                        f"reward span {span.span_id} needs a finite number in "
+                        f"{semconv.REWARD_VALUE!r}, got {value!r}"
+                    )
+        t = now()
+        for span in spans:
+            key = (span.attempt_id, span.span_id)
+            if key in self._seen_spans:
+                continue  # an exporter's retry: store it once
+            self._seen_spans.add(key)
+            self._span_seq += 1
+            span = span.model_copy(update={"sequence_id": self._span_seq})
+            self._log(schema.SPANS, schema.span_row(span))
+            self._attempts[span.attempt_id].last_heartbeat_at = t
+            if span.name == semconv.REWARD_SPAN and span.attributes.get(
+                semconv.REWARD_PRIMARY, True
+            ):
+                self._last_reward[span.attempt_id] = float(span.attributes[semconv.REWARD_VALUE])
+        await self._sync()
+        return len(spans)
+
+    def _latest_attempts(self, rollout_ids: Sequence[str]) -> list[str]:
+        return [self._attempts_of[r][-1] for r in rollout_ids if self._attempts_of.get(r)]
+
+    def _span_query(
+        self, rollout_ids: Sequence[str], attempt_id: AttemptSelector
+    ) -> tuple[str, list[Any]]:
+        for rollout_id in rollout_ids:
+            self._rollout(rollout_id)
+        sql = "SELECT * EXCLUDE (sequence_id), sequence_id FROM spans WHERE rollout_id IN ?"
+        params: list[Any] = [list(rollout_ids)]
+        if attempt_id == "latest":
+            sql += " AND attempt_id IN ?"
+            params.append(self._latest_attempts(rollout_ids) or [""])
+        elif attempt_id is not None:
+            sql += " AND attempt_id = ?"
+            params.append(attempt_id)
+        return sql + " ORDER BY sequence_id", params
+
+    async def query_span_rows(
+        self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
+    ) -> list[dict[str, Any]]:
+        """Spans as dicts whose JSON columns are still text, for a server to pass on unparsed."""
+        sql, params = self._span_query(rollout_ids, attempt_id)
+        await self._sync()
+        return await self._read(sql, params, parse_json=False)
+
+    async def query_spans(
+        self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
+    ) -> list[Span]:
+        sql, params = self._span_query(rollout_ids, attempt_id)
+        await self._sync()
+        return [Span.model_validate(row) for row in await self._read(sql, params)]
+
+    async def _read(
+        self, sql: str, params: Sequence[Any], parse_json: bool = True
+    ) -> list[dict[str, Any]]:
+        def run() -> list[dict[str, Any]]:
+            con = getattr(self._local, "con", None)
+            if con is None:
+                con = self._local.con = self._db.cursor()
+            return self._fetch_dicts(con, sql, params, parse_json)
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)
+
+    # ------------------------------------------------------------------ transitions
+
+    async def add_transitions(self, transitions: Sequence[Transition]) -> int:
+        self._start_background()
+        for t in transitions:
+            self._rollout(t.rollout_id)
+            if t.response_logprobs and len(t.response_logprobs) != len(t.response_token_ids):
+                raise InvalidInput(
+                    f"transition {t.rollout_id}#{t.step}: {len(t.response_logprobs)} logprobs "
+                    f"for {len(t.response_token_ids)} response tokens"
+                )
+        for t in transitions:
+            self._log(schema.TRANSITIONS, schema.transition_row(t))
+        await self._sync()
+        return len(transitions)
+
+    async def query_transitions(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        policy_version: str | None = None,
+    ) -> list[Transition]:
+        sql, params, where = "SELECT * FROM transitions", [], []
+        if rollout_ids is not None:
+            where.append("rollout_id IN ?")
+            params.append(list(rollout_ids) or [""])
+        if policy_version is not None:
+            where.append("policy_version = ?")
+            params.append(policy_version)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        await self._sync()
+        rows = await self._read(sql + " ORDER BY rollout_id, step", params)
+        return [Transition.model_validate(row) for row in rows]
+
+    # ------------------------------------------------------------------ policy versions
+
+    async def add_policy_version(self, version: PolicyVersion) -> PolicyVersion:
+        self._start_background()
+        if version.name in self._policies:
+            raise Conflict(f"policy version {version.name!r} exists already; pick a new name")
+        self._policies[version.name] = version.model_copy(deep=True)
+        self._log(schema.POLICY_VERSIONS, schema.policy_version_row(version))
+        await self._sync()
+        return version
+
+    async def get_policy_version(self, name: str) -> PolicyVersion:
+        try:
+            version = self._policies[name]
+        except KeyError:
+            raise NotFound(f"no policy version {name!r}") from None
+        await self._sync()
+        return version.model_copy(deep=True)
+
+    async def list_policy_versions(self) -> list[PolicyVersion]:
+        await self._sync()
+        return sorted(
+            (v.model_copy(deep=True) for v in self._policies.values()), key=lambda v: v.created_at
+        )
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        try:
+            await self._sync()
+        finally:
+            self._closed = True
+            self._writer.shutdown(wait=True)
+            self._db.close()

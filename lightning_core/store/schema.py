@@ -1,0 +1,238 @@
+"""DuckDB tables of the store and the conversions between their rows and the data model.
+
+Rollouts and attempts are append-only logs (one row per change, `log_seq` orders them) with views
+that show the latest row of each: appends are the cheapest durable write DuckDB has, and the log
+doubles as an audit trail of every status change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from lightning_core.types import Attempt, PolicyVersion, Rollout, Span, Transition
+
+_ARROW = {
+    "BIGINT": pa.int64(),
+    "INTEGER": pa.int32(),
+    "DOUBLE": pa.float64(),
+    "VARCHAR": pa.string(),
+    "JSON": pa.string(),
+    "INTEGER[]": pa.list_(pa.int32()),
+    "DOUBLE[]": pa.list_(pa.float64()),
+}
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple[tuple[str, str], ...]
+
+    @property
+    def ddl(self) -> str:
+        cols = ", ".join(f"{name} {sql_type}" for name, sql_type in self.columns)
+        return f"CREATE TABLE IF NOT EXISTS {self.name} ({cols})"
+
+    @property
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([(name, _ARROW[sql_type]) for name, sql_type in self.columns])
+
+    def to_arrow(self, rows: list[tuple[Any, ...]]) -> pa.Table:
+        columns = list(zip(*rows, strict=True))
+        return pa.Table.from_arrays(
+            [
+                pa.array(col, type=t)
+                for col, t in zip(columns, self.arrow_schema.types, strict=False)
+            ],
+            schema=self.arrow_schema,
+        )
+
+
+ROLLOUT_LOG = Table(
+    "rollout_log",
+    (
+        ("log_seq", "BIGINT"),
+        ("rollout_id", "VARCHAR"),
+        ("input", "JSON"),
+        ("task_id", "VARCHAR"),
+        ("group_id", "VARCHAR"),
+        ("mode", "VARCHAR"),
+        ("status", "VARCHAR"),
+        ("policy_version", "VARCHAR"),
+        ("max_attempts", "INTEGER"),
+        ("attempt_count", "INTEGER"),
+        ("final_reward", "DOUBLE"),
+        ("enqueued_at", "DOUBLE"),
+        ("started_at", "DOUBLE"),
+        ("ended_at", "DOUBLE"),
+        ("metadata", "JSON"),
+    ),
+)
+
+ATTEMPT_LOG = Table(
+    "attempt_log",
+    (
+        ("log_seq", "BIGINT"),
+        ("attempt_id", "VARCHAR"),
+        ("rollout_id", "VARCHAR"),
+        ("sequence_id", "INTEGER"),
+        ("worker_id", "VARCHAR"),
+        ("status", "VARCHAR"),
+        ("started_at", "DOUBLE"),
+        ("ended_at", "DOUBLE"),
+        ("last_heartbeat_at", "DOUBLE"),
+        ("error", "VARCHAR"),
+    ),
+)
+
+SPANS = Table(
+    "spans",
+    (
+        ("sequence_id", "BIGINT"),
+        ("rollout_id", "VARCHAR"),
+        ("attempt_id", "VARCHAR"),
+        ("trace_id", "VARCHAR"),
+        ("span_id", "VARCHAR"),
+        ("parent_id", "VARCHAR"),
+        ("name", "VARCHAR"),
+        ("kind", "VARCHAR"),
+        ("start_time", "DOUBLE"),
+        ("end_time", "DOUBLE"),
+        ("status_code", "VARCHAR"),
+        ("status_message", "VARCHAR"),
+        ("attributes", "JSON"),
+        ("events", "JSON"),
+        ("resource", "JSON"),
+    ),
+)
+
+TRANSITIONS = Table(
+    "transitions",
+    (
+        ("rollout_id", "VARCHAR"),
+        ("attempt_id", "VARCHAR"),
+        ("step", "INTEGER"),
+        ("agent_name", "VARCHAR"),
+        ("prompt_token_ids", "INTEGER[]"),
+        ("response_token_ids", "INTEGER[]"),
+        ("response_logprobs", "DOUBLE[]"),
+        ("reward", "DOUBLE"),
+        ("advantage", "DOUBLE"),
+        ("policy_version", "VARCHAR"),
+    ),
+)
+
+POLICY_VERSIONS = Table(
+    "policy_versions",
+    (
+        ("name", "VARCHAR"),
+        ("base_model", "VARCHAR"),
+        ("adapter_path", "VARCHAR"),
+        ("created_at", "DOUBLE"),
+        ("metadata", "JSON"),
+    ),
+)
+
+TABLES = (ROLLOUT_LOG, ATTEMPT_LOG, SPANS, TRANSITIONS, POLICY_VERSIONS)
+
+VIEWS = (
+    "CREATE OR REPLACE VIEW rollouts AS SELECT * EXCLUDE (log_seq) FROM rollout_log "
+    "QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY log_seq DESC) = 1",
+    "CREATE OR REPLACE VIEW attempts AS SELECT * EXCLUDE (log_seq) FROM attempt_log "
+    "QUALIFY row_number() OVER (PARTITION BY attempt_id ORDER BY log_seq DESC) = 1",
+)
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def rollout_row(seq: int, r: Rollout) -> tuple[Any, ...]:
+    return (
+        seq,
+        r.rollout_id,
+        _json(r.input),
+        r.task_id,
+        r.group_id,
+        r.mode.value,
+        r.status.value,
+        r.policy_version,
+        r.max_attempts,
+        r.attempt_count,
+        r.final_reward,
+        r.enqueued_at,
+        r.started_at,
+        r.ended_at,
+        _json(r.metadata),
+    )
+
+
+def attempt_row(seq: int, a: Attempt) -> tuple[Any, ...]:
+    return (
+        seq,
+        a.attempt_id,
+        a.rollout_id,
+        a.sequence_id,
+        a.worker_id,
+        a.status.value,
+        a.started_at,
+        a.ended_at,
+        a.last_heartbeat_at,
+        a.error,
+    )
+
+
+def span_row(s: Span) -> tuple[Any, ...]:
+    return (
+        s.sequence_id,
+        s.rollout_id,
+        s.attempt_id,
+        s.trace_id,
+        s.span_id,
+        s.parent_id,
+        s.name,
+        s.kind.value,
+        s.start_time,
+        s.end_time,
+        s.status_code.value,
+        s.status_message,
+        _json(s.attributes),
+        _json([e.model_dump() for e in s.events]),
+        _json(s.resource),
+    )
+
+
+def transition_row(t: Transition) -> tuple[Any, ...]:
+    return (
+        t.rollout_id,
+        t.attempt_id,
+        t.step,
+        t.agent_name,
+        t.prompt_token_ids,
+        t.response_token_ids,
+        t.response_logprobs,
+        t.reward,
+        t.advantage,
+        t.policy_version,
+    )
+
+
+def policy_version_row(p: PolicyVersion) -> tuple[Any, ...]:
+    return (p.name, p.base_model, p.adapter_path, p.created_at, _json(p.metadata))
+
+
+JSON_FIELDS = frozenset({"input", "metadata", "attributes", "events", "resource"})
+
+
+def row_dict(columns: list[str], row: tuple[Any, ...], parse_json: bool = True) -> dict[str, Any]:
+    """A result row as a dict; JSON columns parsed, or left as text for a server to pass on."""
+    out = dict(zip(columns, row, strict=True))
+    if parse_json:
+        for key in JSON_FIELDS.intersection(out):
+            if out[key] is not None:
+                out[key] = orjson.loads(out[key])
+    out.pop("log_seq", None)
+    return out

@@ -1,0 +1,324 @@
+"""The store's HTTP API: a FastAPI app over any LightningStore, plus an OTLP/HTTP traces endpoint.
+
+Every user error is answered with a 4xx and a body `{"error": {"type", "message"}}`; `type` names
+the exception class from `lightning_core.errors`, which the Python client raises again.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hmac
+import zlib
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge
+from lightning_core.store import otlp
+from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.types import (
+    Attempt,
+    Claim,
+    FiniteFloat,
+    PolicyVersion,
+    Rollout,
+    RolloutMode,
+    RolloutRequest,
+    RolloutStatus,
+    Span,
+    Transition,
+)
+
+# Long polls are capped so that a proxy or client timeout never cuts a request mid-wait.
+MAX_WAIT_S = 30.0
+
+
+class EnqueueBody(BaseModel):
+    rollouts: list[RolloutRequest]
+
+
+class DequeueBody(BaseModel):
+    worker_id: str = Field(min_length=1, description="Who claims the work (host:pid:n).")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="Seconds to wait for work.")
+
+
+class CompleteBody(BaseModel):
+    reward: FiniteFloat | None = None
+
+
+class FailBody(BaseModel):
+    error: str
+    retry: bool = True
+
+
+class RolloutQuery(BaseModel):
+    rollout_ids: list[str] | None = None
+    status: list[RolloutStatus] | None = None
+    mode: RolloutMode | None = None
+    group_id: str | None = None
+    limit: int | None = Field(None, ge=0)
+
+
+class WaitBody(BaseModel):
+    rollout_ids: list[str]
+    timeout: float = Field(0.0, ge=0, le=MAX_WAIT_S)
+
+
+class SpansBody(BaseModel):
+    spans: list[Span]
+
+
+class SpanQuery(BaseModel):
+    rollout_ids: list[str]
+    attempt_id: str | None = Field(None, description='An attempt id, "latest" or null for all.')
+
+
+class TransitionsBody(BaseModel):
+    transitions: list[Transition]
+
+
+class TransitionQuery(BaseModel):
+    rollout_ids: list[str] | None = None
+    policy_version: str | None = None
+
+
+class Count(BaseModel):
+    count: int
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return 400, "malformed JSON: " + "; ".join(str(e.get("ctx", e.get("msg"))) for e in errors)
+    parts = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errors[:10]]
+    more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
+    return 422, "; ".join(parts) + more
+
+
+def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
+    """ASGI middleware: bearer-token auth, then a cap on the request body size."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+    open_paths = {"/health"}
+
+    async def middleware(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if expected is not None and scope["path"] not in open_paths:
+            given = headers.get(b"authorization", b"")
+            # compare_digest takes the same time wherever the first differing byte is.
+            if not hmac.compare_digest(given, expected):
+                await _error(
+                    401,
+                    "Unauthorized",
+                    "missing or wrong API key: send 'Authorization: Bearer <LIGHTNING_API_KEY>'",
+                )(scope, receive, send)
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await _too_large(max_bytes)(scope, receive, send)
+            return
+        # Read the whole body here, up to the limit, and replay it: an error raised while the
+        # app reads it would be turned into a generic 400 by the framework.
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > max_bytes:
+                await _too_large(max_bytes)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await app(scope, replay, send)
+
+    return middleware
+
+
+def _too_large(max_bytes: int) -> JSONResponse:
+    return _error(
+        413,
+        "PayloadTooLarge",
+        f"request body over the limit of {max_bytes} bytes: send smaller batches, or raise "
+        "--max-request-bytes (LIGHTNING_MAX_REQUEST_BYTES)",
+    )
+
+
+def _json(data: Any) -> Response:
+    return Response(orjson.dumps(data), media_type="application/json")
+
+
+def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise InvalidInput(f"unsupported Content-Encoding {encoding!r}; use gzip or none")
+    try:
+        d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+        out = d.decompress(body, max_bytes + 1)
+    except (zlib.error, gzip.BadGzipFile) as exc:
+        raise InvalidInput(f"body is not valid {encoding}: {exc}") from None
+    if len(out) > max_bytes:
+        raise PayloadTooLarge(f"decompressed body over the limit of {max_bytes} bytes")
+    return out
+
+
+def create_app(
+    store: DuckDBStore,
+    api_key: str | None = None,
+    max_request_bytes: int = 64 * 1024 * 1024,
+    close_store: bool = True,
+) -> Any:
+    """The FastAPI app serving `store`; wrapped in the auth and size-limit middleware."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if close_store:
+            await store.close()
+
+    app = FastAPI(
+        title="lightning-rl store",
+        description="Rollout queue, spans and transitions of lightning-rl, and an OTLP endpoint.",
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(LightningError)
+    async def lightning_error(_: Request, exc: LightningError) -> JSONResponse:
+        return _error(exc.status_code, type(exc).__name__, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        status, message = _validation_message(exc)
+        return _error(status, "InvalidInput", message)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/store/rollouts", response_model=list[Rollout])
+    async def enqueue(body: EnqueueBody) -> Response:
+        rollouts = await store.enqueue_rollouts(body.rollouts)
+        return _json([r.model_dump(mode="json") for r in rollouts])
+
+    @app.post("/store/rollouts/query", response_model=list[Rollout])
+    async def query_rollouts(body: RolloutQuery) -> Response:
+        rollouts = await store.query_rollouts(**body.model_dump())
+        return _json([r.model_dump(mode="json") for r in rollouts])
+
+    @app.get("/store/rollouts/{rollout_id}", response_model=Rollout)
+    async def get_rollout(rollout_id: str) -> Response:
+        return _json((await store.get_rollout(rollout_id)).model_dump(mode="json"))
+
+    @app.post("/store/rollouts/{rollout_id}/cancel", response_model=Rollout)
+    async def cancel(rollout_id: str) -> Response:
+        return _json((await store.cancel_rollout(rollout_id)).model_dump(mode="json"))
+
+    @app.get("/store/rollouts/{rollout_id}/attempts", response_model=list[Attempt])
+    async def attempts(rollout_id: str) -> Response:
+        return _json([a.model_dump(mode="json") for a in await store.query_attempts(rollout_id)])
+
+    @app.post("/store/wait", response_model=list[Rollout])
+    async def wait(body: WaitBody) -> Response:
+        rollouts = await store.wait_for_rollouts(body.rollout_ids, body.timeout)
+        return _json([r.model_dump(mode="json") for r in rollouts])
+
+    @app.post("/store/dequeue", response_model=Claim | None)
+    async def dequeue(body: DequeueBody) -> Response:
+        claim = await store.dequeue(body.worker_id, body.wait)
+        return _json(claim.model_dump(mode="json") if claim else None)
+
+    @app.post("/store/attempts/{attempt_id}/heartbeat", response_model=Attempt)
+    async def heartbeat(attempt_id: str) -> Response:
+        return _json((await store.heartbeat(attempt_id)).model_dump(mode="json"))
+
+    @app.post("/store/attempts/{attempt_id}/complete", response_model=Rollout)
+    async def complete(attempt_id: str, body: CompleteBody) -> Response:
+        rollout = await store.complete_attempt(attempt_id, body.reward)
+        return _json(rollout.model_dump(mode="json"))
+
+    @app.post("/store/attempts/{attempt_id}/fail", response_model=Rollout)
+    async def fail(attempt_id: str, body: FailBody) -> Response:
+        rollout = await store.fail_attempt(attempt_id, body.error, body.retry)
+        return _json(rollout.model_dump(mode="json"))
+
+    @app.post("/store/spans", response_model=Count)
+    async def add_spans(body: SpansBody) -> Response:
+        return _json({"count": await store.add_spans(body.spans)})
+
+    @app.post("/store/spans/query", response_model=list[Span])
+    async def query_spans(body: SpanQuery) -> Response:
+        rows = await store.query_span_rows(body.rollout_ids, body.attempt_id)
+        for row in rows:
+            # The JSON columns go out as stored, without a parse and re-serialise round trip.
+            for key in ("attributes", "events", "resource"):
+                row[key] = orjson.Fragment(row[key])
+        return _json(rows)
+
+    @app.post("/store/transitions", response_model=Count)
+    async def add_transitions(body: TransitionsBody) -> Response:
+        return _json({"count": await store.add_transitions(body.transitions)})
+
+    @app.post("/store/transitions/query", response_model=list[Transition])
+    async def query_transitions(body: TransitionQuery) -> Response:
+        transitions = await store.query_transitions(body.rollout_ids, body.policy_version)
+        return _json([t.model_dump(mode="json") for t in transitions])
+
+    @app.post("/store/policy-versions", response_model=PolicyVersion)
+    async def add_policy_version(body: PolicyVersion) -> Response:
+        return _json((await store.add_policy_version(body)).model_dump(mode="json"))
+
+    @app.get("/store/policy-versions", response_model=list[PolicyVersion])
+    async def list_policy_versions() -> Response:
+        return _json([v.model_dump(mode="json") for v in await store.list_policy_versions()])
+
+    @app.get("/store/policy-versions/{name}", response_model=PolicyVersion)
+    async def get_policy_version(name: str) -> Response:
+        return _json((await store.get_policy_version(name)).model_dump(mode="json"))
+
+    @app.post(
+        "/v1/traces",
+        summary="OTLP/HTTP trace export (application/x-protobuf or application/json)",
+    )
+    async def otlp_traces(request: Request) -> Response:
+        body = _decompress(
+            await request.body(),
+            request.headers.get("content-encoding", "").lower(),
+            max_request_bytes,
+        )
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type == "application/x-protobuf":
+            await store.add_spans(otlp.decode_protobuf(body))
+            return Response(otlp.EMPTY_PROTOBUF_RESPONSE, media_type="application/x-protobuf")
+        if content_type == "application/json":
+            await store.add_spans(otlp.decode_json(body))
+            return _json({})
+        raise InvalidInput(
+            f"Content-Type {content_type!r} is not OTLP: use application/x-protobuf or "
+            "application/json"
+        )
+
+    return _limits_and_auth(app, max_request_bytes, api_key)

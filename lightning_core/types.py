@@ -1,0 +1,229 @@
+"""The data model every part of lightning-rl shares: tasks, rollouts, attempts, spans, transitions.
+
+Times are Unix seconds as floats (OpenTelemetry nanoseconds are converted on the way in), so that
+rows compare and sort the same in Python, JSON and DuckDB.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightning_core.errors import IllegalTransition
+
+# Rewards must be real numbers: a NaN or an infinity poisons every mean it enters.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def new_id(prefix: str) -> str:
+    """A short random id; 48 random bits keep collisions negligible at millions of rows."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def now() -> float:
+    return time.time()
+
+
+class _Model(BaseModel):
+    # Unknown fields are an error: a typo in a client must not silently drop data.
+    model_config = ConfigDict(extra="forbid")
+
+
+class RolloutMode(StrEnum):
+    train = "train"
+    val = "val"
+    test = "test"
+
+
+class RolloutStatus(StrEnum):
+    queuing = "queuing"
+    running = "running"
+    requeuing = "requeuing"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    def check_move(self, to: RolloutStatus, what: str) -> None:
+        """Raise IllegalTransition unless the lifecycle allows `self -> to`."""
+        if to not in _ROLLOUT_MOVES[self]:
+            raise IllegalTransition(
+                f"{what} is {self.value} and cannot become {to.value}; allowed from "
+                f"{self.value}: {', '.join(s.value for s in _ROLLOUT_MOVES[self]) or 'nothing'}"
+            )
+
+
+_FINISHED = frozenset({RolloutStatus.succeeded, RolloutStatus.failed, RolloutStatus.cancelled})
+_ROLLOUT_MOVES: dict[RolloutStatus, frozenset[RolloutStatus]] = {
+    RolloutStatus.queuing: frozenset({RolloutStatus.running, RolloutStatus.cancelled}),
+    RolloutStatus.running: frozenset(
+        {
+            RolloutStatus.succeeded,
+            RolloutStatus.failed,
+            RolloutStatus.cancelled,
+            RolloutStatus.requeuing,
+        }
+    ),
+    RolloutStatus.requeuing: frozenset({RolloutStatus.running, RolloutStatus.cancelled}),
+    RolloutStatus.succeeded: frozenset(),
+    RolloutStatus.failed: frozenset(),
+    RolloutStatus.cancelled: frozenset(),
+}
+
+
+class AttemptStatus(StrEnum):
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    # The attempt ran past its time budget.
+    timeout = "timeout"
+    # The worker stopped sending heartbeats and spans.
+    unresponsive = "unresponsive"
+    cancelled = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self is not AttemptStatus.running
+
+
+class Task(_Model):
+    """One item of a dataset: what an agent is asked to do."""
+
+    id: str = Field(description="Stable id of the task within its dataset.")
+    input: Any = Field(description="The payload handed to the agent (any JSON value).")
+    split: str = Field("train", description="Dataset split: train, val or test.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form labels.")
+
+
+class RolloutRequest(_Model):
+    """What the algorithm side enqueues; the store turns it into a Rollout."""
+
+    input: Any = Field(description="The task payload handed to the agent (any JSON value).")
+    task_id: str | None = Field(None, description="Id of the task this rollout runs.")
+    group_id: str | None = Field(
+        None, description="Rollouts of one group share a baseline for grouped advantages (GRPO)."
+    )
+    mode: RolloutMode = Field(RolloutMode.train, description="train, val or test.")
+    policy_version: str | None = Field(None, description="Policy version the agent must use.")
+    max_attempts: int = Field(
+        1, ge=1, le=100, description="Attempts before the rollout is marked failed."
+    )
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form labels.")
+
+    @classmethod
+    def for_task(cls, task: Task, **kwargs: Any) -> RolloutRequest:
+        return cls(input=task.input, task_id=task.id, **kwargs)
+
+
+class Rollout(_Model):
+    """One episode of an agent on one task, possibly over several attempts."""
+
+    rollout_id: str
+    input: Any
+    task_id: str | None = None
+    group_id: str | None = None
+    mode: RolloutMode = RolloutMode.train
+    status: RolloutStatus = RolloutStatus.queuing
+    policy_version: str | None = None
+    max_attempts: int = 1
+    attempt_count: int = Field(0, description="Attempts claimed so far.")
+    final_reward: FiniteFloat | None = None
+    enqueued_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Attempt(_Model):
+    """One try of a worker at a rollout; a retry is a new attempt with the next sequence id."""
+
+    attempt_id: str
+    rollout_id: str
+    sequence_id: int = Field(description="1 for the first attempt of the rollout, then 2, ...")
+    worker_id: str
+    status: AttemptStatus = AttemptStatus.running
+    started_at: float
+    ended_at: float | None = None
+    last_heartbeat_at: float
+    error: str | None = None
+
+
+class Claim(_Model):
+    """What `dequeue` hands a worker: the rollout and the attempt it now owns."""
+
+    rollout: Rollout
+    attempt: Attempt
+
+
+class SpanKind(StrEnum):
+    internal = "internal"
+    server = "server"
+    client = "client"
+    producer = "producer"
+    consumer = "consumer"
+
+
+class SpanStatusCode(StrEnum):
+    unset = "unset"
+    ok = "ok"
+    error = "error"
+
+
+class SpanEvent(_Model):
+    name: str
+    timestamp: float
+    attributes: dict[str, Any] = Field(default_factory=dict)
+
+
+class Span(_Model):
+    """An OpenTelemetry span tied to the rollout attempt that produced it."""
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int | None = Field(
+        None, description="Order of arrival in the store; assigned by the store."
+    )
+    trace_id: str = Field(description="32 hex digits.")
+    span_id: str = Field(description="16 hex digits.")
+    parent_id: str | None = Field(None, description="span_id of the parent, if any.")
+    name: str
+    kind: SpanKind = SpanKind.internal
+    start_time: float
+    end_time: float | None = None
+    status_code: SpanStatusCode = SpanStatusCode.unset
+    status_message: str | None = None
+    attributes: dict[str, Any] = Field(default_factory=dict)
+    events: list[SpanEvent] = Field(default_factory=list)
+    resource: dict[str, Any] = Field(default_factory=dict)
+
+
+class Transition(_Model):
+    """One LLM call of a rollout, as the trainer consumes it."""
+
+    rollout_id: str
+    attempt_id: str | None = None
+    step: int = Field(ge=0, description="Order of the call within the rollout, from 0.")
+    agent_name: str | None = None
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[FiniteFloat] = Field(default_factory=list)
+    reward: FiniteFloat = 0.0
+    advantage: FiniteFloat | None = None
+    policy_version: str | None = None
+
+
+class PolicyVersion(_Model):
+    """A servable policy: a base model, optionally with a LoRA adapter on top."""
+
+    name: str = Field(min_length=1, description="Unique name the gateway serves it under.")
+    base_model: str = Field(description="Hub id or local folder of the base model.")
+    adapter_path: str | None = Field(None, description="PEFT adapter folder; None = base model.")
+    created_at: float = Field(default_factory=now)
+    metadata: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,88 @@
+"""Shared fixtures: stores in-process and behind a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import uvicorn
+
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.store.server import create_app
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadedServer:
+    """uvicorn serving an app on 127.0.0.1 from a background thread (its own event loop)."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+@pytest.fixture(params=["inprocess", "http"])
+async def make_store(request) -> AsyncIterator[Callable[..., Any]]:
+    """Factory of fresh stores: `await make_store(**StoreConfig fields)`.
+
+    The same tests run against the in-process DuckDBStore and against the HTTP client talking to
+    a real server, which proves both implement one protocol.
+    """
+    opened: list[Any] = []
+    servers: list[ThreadedServer] = []
+
+    async def make(**config: Any):
+        config.setdefault("db", ":memory:")
+        store = DuckDBStore(**config)
+        if request.param == "inprocess":
+            opened.append(store)
+            return store
+        server = ThreadedServer(create_app(store)).__enter__()
+        servers.append(server)
+        client = HttpStoreClient(server.url)
+        opened.append(client)
+        return client
+
+    yield make
+    for store in opened:
+        await store.close()
+    for server in servers:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture
+async def store(make_store):
+    return await make_store()

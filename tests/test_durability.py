@@ -1,0 +1,129 @@
+"""Durability: every write the server acknowledged survives a SIGKILL of `lightning-rl serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lightning_core.errors import LightningError
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.types import RolloutRequest, RolloutStatus
+from tests.conftest import free_port
+from tests.helpers import reward_span, span
+
+
+def start_server(db: Path, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lightning_core.cli",
+            "serve",
+            "--db",
+            str(db),
+            "--port",
+            str(port),
+            *list(extra),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited: {proc.stderr.read().decode()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("serve did not become healthy")
+
+
+async def _writer(client: HttpStoreClient, n: int, acked: dict, stop: asyncio.Event) -> None:
+    """Enqueue, claim, add spans and complete rollouts until stopped, recording each ack."""
+    while not stop.is_set():
+        try:
+            [rollout] = await client.enqueue_rollouts([RolloutRequest(input=n)])
+            acked["enqueued"].add(rollout.rollout_id)
+            claim = await client.dequeue(f"writer-{n}")
+            if claim is None:
+                continue
+            spans = [span(claim, f"s{i}", i=i) for i in range(3)] + [reward_span(claim, 1.5)]
+            await client.add_spans(spans)
+            acked["spans"].update(s.span_id for s in spans)
+            await client.complete_attempt(claim.attempt.attempt_id)
+            acked["completed"].add(claim.rollout.rollout_id)
+        except LightningError:
+            return  # the server is gone: whatever was not acknowledged may be lost
+
+
+@pytest.mark.timeout(180)
+async def test_acknowledged_writes_survive_sigkill(tmp_path):
+    db = tmp_path / "store.duckdb"
+    port = free_port()
+    server = start_server(db, port)
+    client = HttpStoreClient(f"http://127.0.0.1:{port}", timeout=5)
+    acked: dict[str, set[str]] = {"enqueued": set(), "spans": set(), "completed": set()}
+    stop = asyncio.Event()
+    writers = [asyncio.create_task(_writer(client, i, acked, stop)) for i in range(8)]
+    try:
+        await asyncio.sleep(2.0)
+        assert len(acked["completed"]) > 20, "the writers made too little progress to test"
+        # Kill mid-stream: requests are in flight at this moment.
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=10)
+        await asyncio.wait_for(asyncio.gather(*writers), timeout=30)
+    finally:
+        stop.set()
+        server.kill()
+        await client.close()
+
+    server = start_server(db, port)
+    client = HttpStoreClient(f"http://127.0.0.1:{port}")
+    try:
+        rollouts = {r.rollout_id: r for r in await client.query_rollouts()}
+        assert acked["enqueued"] <= set(rollouts)
+        for rollout_id in acked["completed"]:
+            assert rollouts[rollout_id].status is RolloutStatus.succeeded
+            assert rollouts[rollout_id].final_reward == 1.5
+        stored = await client.query_spans(sorted(rollouts))
+        assert acked["spans"] <= {s.span_id for s in stored}
+        # The restarted store keeps working on the same file.
+        await client.enqueue_rollouts([RolloutRequest(input="after restart")])
+        claim = await client.dequeue("after")
+        await client.complete_attempt(claim.attempt.attempt_id, 1.0)
+        assert (await client.get_rollout(claim.rollout.rollout_id)).final_reward == 1.0
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=30)
+        await client.close()
+    assert server.returncode == 0
+
+
+def test_second_server_on_the_same_file_says_why(tmp_path):
+    db = tmp_path / "store.duckdb"
+    first = start_server(db, free_port())
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "lightning_core.cli", "serve", "--db", str(db), "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 2
+        assert "cannot open the store database" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=30)
