@@ -49,7 +49,6 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 # ---------------------------------------------------------------------------- runner side
-OPS: dict = {}
 
 
 def _agent_spans(claim: Claim, rng: random.Random, shape: WorkloadShape) -> list[Span]:
@@ -119,20 +118,16 @@ async def _runner(
     rng = random.Random(worker_id)
     done = 0
     while not stop.is_set():
-        t_deq = time.perf_counter()
         claim = await client.dequeue(worker_id, wait=0.5)
         if claim is None:
             continue
-        OPS.setdefault("dequeue", []).append(time.perf_counter() - t_deq)
         spans = _agent_spans(claim, rng, shape)
         work_spans = sum(1 for s in spans if s.name.startswith("round") or s.name == "final")
         await _sleep_like_agent(rng, work_spans, shape.sleep_seconds)
         t0 = time.perf_counter()
         await client.add_spans(spans)
         latencies.append(time.perf_counter() - t0)
-        t_c = time.perf_counter()
         await client.complete_attempt(claim.attempt.attempt_id)
-        OPS.setdefault("complete", []).append(time.perf_counter() - t_c)
         done += 1
     return done
 
@@ -151,9 +146,6 @@ async def _runner_process_main(url: str, shape: WorkloadShape, first: int, count
     done = await asyncio.gather(*runners)
     watcher.cancel()
     await client.close()
-    if first == 0:
-        for k, v in OPS.items():
-            print(k, "p50 ms", 1000 * _percentile(v, 0.5), "p90", 1000 * _percentile(v, 0.9))
     conn.send({"rollouts": sum(done), "latencies": latencies})
 
 

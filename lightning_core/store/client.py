@@ -35,18 +35,21 @@ from lightning_core.types import (
 
 
 class _SpanBatcher:
-    """Coalesces concurrent add_spans calls into as few requests as possible."""
+    """Coalesces concurrent add_spans calls into few requests, at most `max_in_flight` at once."""
 
-    def __init__(self, send) -> None:
+    def __init__(self, send, max_in_flight: int) -> None:
         self._send = send
         self._waiting: list[tuple[list[dict[str, Any]], asyncio.Future[int]]] = []
-        self._sender: asyncio.Task[None] | None = None
+        self._senders: set[asyncio.Task[None]] = set()
+        self._max_in_flight = max_in_flight
 
     async def add(self, spans: list[dict[str, Any]]) -> int:
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiting.append((spans, future))
-        if self._sender is None or self._sender.done():
-            self._sender = asyncio.create_task(self._drain())
+        if len(self._senders) < self._max_in_flight:
+            sender = asyncio.create_task(self._drain())
+            self._senders.add(sender)
+            sender.add_done_callback(self._senders.discard)
         return await future
 
     async def _drain(self) -> None:
@@ -83,6 +86,7 @@ class HttpStoreClient:
         api_key: str | None = None,
         timeout: float = 60.0,
         max_connections: int = 64,
+        span_requests_in_flight: int = 2,
     ) -> None:
         self.url = url.rstrip("/")
         key = api_key if api_key is not None else os.environ.get("LIGHTNING_API_KEY")
@@ -94,7 +98,7 @@ class HttpStoreClient:
         # aiohttp, not httpx: at 32 concurrent runners httpx's pool bookkeeping cost more CPU
         # than everything else the runners do. The session binds to the loop of first use.
         self._session: aiohttp.ClientSession | None = None
-        self._spans = _SpanBatcher(self._send_spans)
+        self._spans = _SpanBatcher(self._send_spans, span_requests_in_flight)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

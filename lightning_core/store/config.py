@@ -24,6 +24,13 @@ class StoreConfig(BaseModel):
         description="An attempt with neither a heartbeat nor a span for this long is presumed dead "
         "(worker crashed, machine lost) and its rollout requeued or failed; None to wait forever.",
     )
+    duckdb_threads: int = Field(
+        1,
+        ge=1,
+        description="DuckDB worker threads. The store runs many small transactions, where "
+        "DuckDB's parallelism costs more in coordination than it gains (measured: 1 thread "
+        "commits a 70-span batch 20 % faster than 2).",
+    )
     watchdog_interval_s: float = Field(
         1.0, gt=0, description="How often the store looks for timed-out and unresponsive attempts."
     )

