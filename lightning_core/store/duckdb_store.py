@@ -532,6 +532,10 @@ class DuckDBStore:
             self._watchdog.cancel()
         try:
             await self._sync()
+        except StoreUnavailable:
+            if self._broken is None:
+                raise
+            # Already reported to every writer that waited on it; closing must still succeed.
         finally:
             self._closed = True
             await asyncio.get_running_loop().run_in_executor(None, self._worker.close)

@@ -1,0 +1,59 @@
+"""The `lightning-rl` command line, run as a user would."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.types import RolloutRequest
+from tests.conftest import free_port
+from tests.test_durability import start_server
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["status"]])
+def test_every_command_has_help(command):
+    result = cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout
+
+
+def test_status_counts_rollouts_of_a_running_server(tmp_path):
+    port = free_port()
+    server = start_server(tmp_path / "s.duckdb", port)
+    try:
+
+        async def fill() -> None:
+            client = HttpStoreClient(f"http://127.0.0.1:{port}")
+            await client.enqueue_rollouts([RolloutRequest(input=i) for i in range(3)])
+            claim = await client.dequeue("w")
+            await client.complete_attempt(claim.attempt.attempt_id, 1.0)
+            await client.close()
+
+        asyncio.run(fill())
+        result = cli("status", "--server", f"http://127.0.0.1:{port}")
+        assert result.returncode == 0, result.stderr
+        lines = dict(line.split() for line in result.stdout.splitlines()[1:])
+        assert lines == {"queuing": "2", "succeeded": "1", "total": "3"}
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=30)
+
+
+def test_status_without_a_server_says_so():
+    result = cli("status", "--server", f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 2
+    assert "cannot reach the store" in result.stderr and "Traceback" not in result.stderr
