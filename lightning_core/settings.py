@@ -27,9 +27,15 @@ class ServeSettings(BaseSettings):
         gt=0,
         description="Largest request body accepted (64 MiB holds ~10k spans of 5 KB).",
     )
-    attempt_timeout_s: float | None = Field(StoreConfig.model_fields["attempt_timeout_s"].default)
+    attempt_timeout_s: float | None = Field(
+        StoreConfig.model_fields["attempt_timeout_s"].default,
+        gt=0,
+        description=StoreConfig.model_fields["attempt_timeout_s"].description,
+    )
     unresponsive_timeout_s: float | None = Field(
-        StoreConfig.model_fields["unresponsive_timeout_s"].default
+        StoreConfig.model_fields["unresponsive_timeout_s"].default,
+        gt=0,
+        description=StoreConfig.model_fields["unresponsive_timeout_s"].description,
     )
     log_level: str = Field("warning", description="uvicorn log level.")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -16,11 +17,14 @@ from tests.test_durability import start_server
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
+    # No LIGHTNING_* settings leak in from the environment running the tests.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     return subprocess.run(
         [sys.executable, "-m", "lightning_core.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
 
 
@@ -57,3 +61,15 @@ def test_status_without_a_server_says_so():
     result = cli("status", "--server", f"http://127.0.0.1:{free_port()}")
     assert result.returncode == 2
     assert "cannot reach the store" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_public_address_without_a_key():
+    result = cli("serve", "--host", "0.0.0.0")
+    assert result.returncode == 2
+    assert "without an API key" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_rejects_a_bad_setting_without_a_traceback():
+    result = cli("serve", "--port", "70000")
+    assert result.returncode == 2
+    assert "port" in result.stderr and "Traceback" not in result.stderr

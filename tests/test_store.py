@@ -294,3 +294,14 @@ async def test_policy_versions(store):
         await store.add_policy_version(v1)
     with pytest.raises(NotFound):
         await store.get_policy_version("v9")
+
+
+async def test_late_spans_of_a_finished_attempt_are_kept_but_do_not_change_its_reward(store):
+    [rollout] = await store.enqueue_rollouts([RolloutRequest(input=0)])
+    claim = await store.dequeue("w")
+    await store.add_spans([reward_span(claim, 1.0)])
+    await store.complete_attempt(claim.attempt.attempt_id)
+    await store.add_spans([span(claim, "slow-exporter"), reward_span(claim, 0.0)])
+    names = [s.name for s in await store.query_spans([rollout.rollout_id])]
+    assert names == ["lightning.reward", "slow-exporter", "lightning.reward"]
+    assert (await store.get_rollout(rollout.rollout_id)).final_reward == 1.0

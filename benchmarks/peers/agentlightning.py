@@ -161,6 +161,22 @@ def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None
     process.wait()
 
 
+def _start(
+    command: list[str], log_file: Path, env: dict[str, str], cwd: Path
+) -> subprocess.Popen[bytes]:
+    """Start a child in its own session (so _stop_group reaches all it forks), logging to a file."""
+    with log_file.open("wb") as out:
+        return subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -210,16 +226,7 @@ def run_agentlightning(
         out = workdir / "result.json"
         server: subprocess.Popen[bytes] | None = None
         try:
-            with server_log.open("wb") as server_out:
-                server = subprocess.Popen(
-                    server_command,
-                    stdout=server_out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    cwd=workdir,
-                    start_new_session=True,
-                )
+            server = _start(server_command, server_log, env, workdir)
             try:
                 took = _wait_healthy(f"{url}/v1/agl/health", server, timeout_s=120)
             except (RuntimeError, TimeoutError) as exc:
@@ -242,16 +249,7 @@ def run_agentlightning(
                 f"{shape.runners} runners, up to {shape.max_rounds} rounds, "
                 f"timeout {timeout:.0f} s"
             )
-            with workload_log.open("wb") as workload_out:
-                workload = subprocess.Popen(
-                    command,
-                    stdout=workload_out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    cwd=workdir,
-                    start_new_session=True,
-                )
+            workload = _start(command, workload_log, env, workdir)
             try:
                 workload.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

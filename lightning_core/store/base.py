@@ -76,7 +76,10 @@ class LightningStore(Protocol):
         ...
 
     async def add_spans(self, spans: Sequence[Span]) -> int:
-        """Store spans; returns how many were accepted (a re-sent span is stored once)."""
+        """Store spans; returns how many were accepted.
+
+        A span re-sent while its attempt runs (an exporter's retry) is stored once.
+        """
         ...
 
     async def query_spans(

@@ -82,8 +82,11 @@ class DuckDBStore:
         self._attempts_of: dict[str, list[str]] = defaultdict(list)
         self._queue: deque[str] = deque()
         self._policies: dict[str, PolicyVersion] = {}
+        # Per running attempt: the watchdog's work list, the span ids seen (an exporter's retry is
+        # stored once) and the last primary reward (the default final reward).
+        self._running: dict[str, Attempt] = {}
+        self._seen_spans: dict[str, set[str]] = defaultdict(set)
         self._last_reward: dict[str, float] = {}
-        self._seen_spans: set[tuple[str, str]] = set()
         self._log_seq = 0
         self._span_seq = 0
         self._load()
@@ -115,6 +118,7 @@ class DuckDBStore:
             if attempt.status is AttemptStatus.running:
                 # Heartbeats are not persisted; a worker gets a full grace period after a restart.
                 attempt.last_heartbeat_at = restarted_at
+                self._running[attempt.attempt_id] = attempt
             self._attempts[attempt.attempt_id] = attempt
             self._attempts_of[attempt.rollout_id].append(attempt.attempt_id)
         for row in state["policy_versions"]:
@@ -192,13 +196,21 @@ class DuckDBStore:
             )
         return attempt, self._rollouts[attempt.rollout_id]
 
+    def _finish_attempt(
+        self, attempt: Attempt, status: AttemptStatus, t: float, error: str | None = None
+    ) -> None:
+        attempt.status, attempt.ended_at, attempt.error = status, t, error
+        self._log_attempt(attempt)
+        self._running.pop(attempt.attempt_id, None)
+        self._seen_spans.pop(attempt.attempt_id, None)
+        self._last_reward.pop(attempt.attempt_id, None)
+
     def _end_attempt(
         self, attempt: Attempt, rollout: Rollout, status: AttemptStatus, error: str | None, retry
     ) -> None:
         """Finish a running attempt unsuccessfully and requeue or fail its rollout."""
         t = now()
-        attempt.status, attempt.ended_at, attempt.error = status, t, error
-        self._log_attempt(attempt)
+        self._finish_attempt(attempt, status, t, error)
         if retry and rollout.attempt_count < rollout.max_attempts:
             rollout.status.check_move(RolloutStatus.requeuing, f"rollout {rollout.rollout_id}")
             rollout.status = RolloutStatus.requeuing
@@ -216,9 +228,7 @@ class DuckDBStore:
         while True:
             await asyncio.sleep(cfg.watchdog_interval_s)
             t = now()
-            for attempt in list(self._attempts.values()):
-                if attempt.status is not AttemptStatus.running:
-                    continue
+            for attempt in list(self._running.values()):
                 rollout = self._rollouts[attempt.rollout_id]
                 if cfg.attempt_timeout_s and t - attempt.started_at > cfg.attempt_timeout_s:
                     reason = f"ran longer than attempt_timeout_s={cfg.attempt_timeout_s}"
@@ -276,6 +286,7 @@ class DuckDBStore:
                 last_heartbeat_at=t,
             )
             self._attempts[attempt.attempt_id] = attempt
+            self._running[attempt.attempt_id] = attempt
             self._attempts_of[rollout.rollout_id].append(attempt.attempt_id)
             self._log_rollout(rollout)
             self._log_attempt(attempt)
@@ -314,10 +325,9 @@ class DuckDBStore:
         attempt, rollout = self._running_attempt(attempt_id)
         rollout.status.check_move(RolloutStatus.succeeded, f"rollout {rollout.rollout_id}")
         t = now()
-        attempt.status, attempt.ended_at = AttemptStatus.succeeded, t
         rollout.status, rollout.ended_at = RolloutStatus.succeeded, t
         rollout.final_reward = reward if reward is not None else self._last_reward.get(attempt_id)
-        self._log_attempt(attempt)
+        self._finish_attempt(attempt, AttemptStatus.succeeded, t)
         self._log_rollout(rollout)
         self._rollout_finished.fire()
         await self._sync()
@@ -338,8 +348,7 @@ class DuckDBStore:
         for attempt_id in self._attempts_of.get(rollout_id, ()):
             attempt = self._attempts[attempt_id]
             if attempt.status is AttemptStatus.running:
-                attempt.status, attempt.ended_at = AttemptStatus.cancelled, t
-                self._log_attempt(attempt)
+                self._finish_attempt(attempt, AttemptStatus.cancelled, t)
         rollout.status, rollout.ended_at = RolloutStatus.cancelled, t
         self._log_rollout(rollout)
         self._rollout_finished.fire()
@@ -410,23 +419,30 @@ class DuckDBStore:
                 )
             if span.name == semconv.REWARD_SPAN:
                 value = span.attributes.get(semconv.REWARD_VALUE)
-                if not isinstance(value, int | float) or not math.isfinite(value):
+                is_number = isinstance(value, int | float) and not isinstance(value, bool)
+                if not is_number or not math.isfinite(value):
                     raise InvalidInput(
                         f"reward span {span.span_id} needs a finite number in "
                         f"{semconv.REWARD_VALUE!r}, got {value!r}"
                     )
         t = now()
         for span in spans:
-            key = (span.attempt_id, span.span_id)
-            if key in self._seen_spans:
-                continue  # an exporter's retry: store it once
-            self._seen_spans.add(key)
+            attempt = self._attempts[span.attempt_id]
+            running = attempt.status is AttemptStatus.running
+            if running:
+                # Spans are liveness too, and an exporter's retry is stored once. Spans that
+                # arrive after their attempt ended (a slow exporter) are kept as they come.
+                attempt.last_heartbeat_at = t
+                seen = self._seen_spans[span.attempt_id]
+                if span.span_id in seen:
+                    continue
+                seen.add(span.span_id)
             self._span_seq += 1
-            span = span.model_copy(update={"sequence_id": self._span_seq})
-            self._log(schema.SPANS, schema.span_row(span))
-            self._attempts[span.attempt_id].last_heartbeat_at = t
-            if span.name == semconv.REWARD_SPAN and span.attributes.get(
-                semconv.REWARD_PRIMARY, True
+            self._log(schema.SPANS, schema.span_row(span, self._span_seq))
+            if (
+                running
+                and span.name == semconv.REWARD_SPAN
+                and span.attributes.get(semconv.REWARD_PRIMARY, True)
             ):
                 self._last_reward[span.attempt_id] = float(span.attributes[semconv.REWARD_VALUE])
         await self._sync()

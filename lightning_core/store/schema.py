@@ -185,9 +185,9 @@ def attempt_row(seq: int, a: Attempt) -> tuple[Any, ...]:
     )
 
 
-def span_row(s: Span) -> tuple[Any, ...]:
+def span_row(s: Span, sequence_id: int) -> tuple[Any, ...]:
     return (
-        s.sequence_id,
+        sequence_id,
         s.rollout_id,
         s.attempt_id,
         s.trace_id,

@@ -99,10 +99,10 @@ class DatabaseWorker:
             request_id, ok, result = frame
             loop, future = self._pending.pop(request_id, (None, None))
             if future is not None:
-                loop.call_soon_threadsafe(_settle, future, ok, result)
+                _settle_from_thread(loop, future, ok, result)
         self._dead = f"the store's database worker exited ({self._proc.wait()})"
         for loop, future in list(self._pending.values()):
-            loop.call_soon_threadsafe(_settle, future, False, self._dead)
+            _settle_from_thread(loop, future, False, self._dead)
         self._pending.clear()
 
     async def _request(self, op: str, payload: Any) -> Any:
@@ -138,6 +138,14 @@ class DatabaseWorker:
             self._proc.kill()
             self._proc.wait()
         self._reader.join(timeout=5)
+
+
+def _settle_from_thread(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], ok: bool, result: Any
+) -> None:
+    # A caller whose loop has closed no longer waits; the reader must go on for the others.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, ok, result)
 
 
 def _settle(future: asyncio.Future[Any], ok: bool, result: Any) -> None:
