@@ -17,8 +17,11 @@ async def test_a_dead_worker_fails_writes_clearly_instead_of_hanging():
     store._worker._proc.wait()
     with pytest.raises(StoreUnavailable, match="database worker"):
         await store.enqueue_rollouts([RolloutRequest(input=2)])
+    # Once broken, the store refuses work up front, claims included.
     with pytest.raises(StoreUnavailable):
         await store.enqueue_rollouts([RolloutRequest(input=3)])
+    with pytest.raises(StoreUnavailable):
+        await store.dequeue("w")
     await store.close()
 
 

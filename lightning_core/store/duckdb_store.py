@@ -171,6 +171,8 @@ class DuckDBStore:
     def _start_background(self) -> None:
         if self._closed:
             raise StoreUnavailable("the store is closed")
+        if self._broken is not None:
+            raise StoreUnavailable(f"the store's database failed: {self._broken}")
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
