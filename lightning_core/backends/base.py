@@ -1,0 +1,97 @@
+"""The interface every policy backend implements, in token ids: the gateway does the rest.
+
+The gateway applies the chat template, tokenizes, and decodes; a backend only turns prompt token
+ids into completion token ids with their logprobs. That is what keeps the recorded ids exact:
+they are the ids the backend consumed and produced, never text tokenized again.
+
+Stopping rules, the same for every backend:
+- An end-of-sequence token (the tokenizer's eos, or any of `stop_token_ids`) ends a completion
+  with finish_reason "stop" and IS included in `token_ids`: the policy chose to stop, and
+  training must see that choice. (Decoding with skip_special_tokens drops it from the text.)
+- A stop string ends it with finish_reason "stop"; `token_ids` are cut before the token in
+  which the stop string begins, so decoding them never shows any of it.
+- `max_new_tokens` ends it with finish_reason "length".
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, Field
+
+FinishReason = Literal["stop", "length"]
+
+
+class SamplingParams(BaseModel):
+    """How to sample one completion."""
+
+    max_new_tokens: int = Field(256, ge=1, description="Upper bound on generated tokens.")
+    temperature: float = Field(1.0, ge=0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    seed: int | None = Field(None, description="Makes sampling reproducible for one request.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (see module doc).")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Extra end-of-sequence token ids, beside eos."
+    )
+    top_logprobs: int = Field(
+        0, ge=0, le=20, description="Alternatives to report per position (0: none)."
+    )
+
+
+class GenerationRequest(BaseModel):
+    prompt_token_ids: list[int] = Field(min_length=1)
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    n: int = Field(1, ge=1, le=64, description="Independent completions of the same prompt.")
+    adapter: str | None = Field(None, description="LoRA adapter name; None for the base model.")
+
+
+class Choice(BaseModel):
+    """One completion."""
+
+    token_ids: list[int]
+    # Log-probability of each generated token under the sampling policy (after temperature,
+    # before top-p truncation): always returned, since the trainer needs them.
+    logprobs: list[float]
+    # Per position, the `top_logprobs` most likely (token id, logprob) pairs, if asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: FinishReason
+
+
+class StreamDelta(BaseModel):
+    """Tokens of a streamed completion as they are decided; the last delta has finish_reason."""
+
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A policy served in token ids: a base model plus any number of named LoRA adapters."""
+
+    #: Name of the base model, as the gateway lists it and requests select it.
+    base_model: str
+    #: The Hugging Face tokenizer of the base model (chat template included).
+    tokenizer: Any
+
+    def adapters(self) -> list[str]:
+        """Names of the loaded LoRA adapters."""
+        ...
+
+    async def generate(self, request: GenerationRequest) -> list[Choice]:
+        """`request.n` completions of the prompt."""
+        ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        """One completion (n must be 1), delta by delta."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter folder under `name` (replacing one of that name)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def close(self) -> None: ...
