@@ -13,3 +13,20 @@ REWARD_VALUE = "lightning.reward.value"
 REWARD_NAME = "lightning.reward.name"
 # Of several named rewards, the primary one is the episode's return.
 REWARD_PRIMARY = "lightning.reward.primary"
+
+# One LLM call through the gateway: the exact token ids the backend consumed and produced.
+PROMPT_TOKEN_IDS = "lightning.prompt_token_ids"
+# Per choice i of the call: RESPONSE.format(i=i, key="token_ids" | "logprobs" | "finish_reason").
+RESPONSE = "lightning.response.{i}.{key}"
+RESPONSE_COUNT = "lightning.response.count"
+POLICY_VERSION = "lightning.policy_version"
+AGENT_NAME = "lightning.agent_name"
+# The header (or request metadata key) an agent names itself with in a multi-agent system.
+AGENT_HEADER = "X-Lightning-Agent"
+AGENT_METADATA_KEY = "agent_name"
+
+# Spans an agent's code emits with the tracing API.
+TOOL_SPAN = "lightning.tool"
+TOOL_NAME = "lightning.tool.name"
+TOOL_SUCCESS = "lightning.tool.success"
+OPERATION_SPAN_PREFIX = "lightning.operation"

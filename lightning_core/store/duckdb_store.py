@@ -410,6 +410,28 @@ class DuckDBStore:
     # ------------------------------------------------------------------ spans
 
     async def add_spans(self, spans: Sequence[Span]) -> int:
+        self._stage_spans(spans)
+        await self._sync()
+        return len(spans)
+
+    def add_spans_nowait(self, spans: Sequence[Span]) -> None:
+        """Record spans without waiting for the disk (the gateway's path, off the call's latency).
+
+        They are ordered before any write made after this call returns, commit with the next
+        group, and are seen by every read made after this call returns.
+        """
+        self._stage_spans(spans)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    def check_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
+        """The attempt, if it exists and belongs to the rollout; NotFound otherwise."""
+        attempt = self._attempt(attempt_id)
+        if attempt.rollout_id != rollout_id:
+            raise NotFound(f"attempt {attempt_id} does not belong to rollout {rollout_id}")
+        return attempt
+
+    def _stage_spans(self, spans: Sequence[Span]) -> None:
         self._start_background()
         # Check the whole batch before touching anything, so it lands whole or not at all.
         for span in spans:
@@ -447,8 +469,6 @@ class DuckDBStore:
                 and span.attributes.get(semconv.REWARD_PRIMARY, True)
             ):
                 self._last_reward[span.attempt_id] = float(span.attributes[semconv.REWARD_VALUE])
-        await self._sync()
-        return len(spans)
 
     def _latest_attempts(self, rollout_ids: Sequence[str]) -> list[str]:
         return [self._attempts_of[r][-1] for r in rollout_ids if self._attempts_of.get(r)]

@@ -21,6 +21,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge
+from lightning_core.gateway.routes import gateway_router
+from lightning_core.gateway.service import Gateway
 from lightning_core.store import otlp
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import (
@@ -118,6 +120,28 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
 
 
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
+def _openai_error(status: int, kind: str, message: str) -> JSONResponse:
+    """OpenAI's error shape, for the gateway's routes; `code` keeps our exception's name."""
+    error_type = (
+        "server_error" if status >= 500 else _OPENAI_TYPES.get(status, "invalid_request_error")
+    )
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": kind}}
+    return JSONResponse(body, status_code=status)
+
+
+def _error_for(request: Request, status: int, kind: str, message: str) -> JSONResponse:
+    return _error_at(request.url.path, status, kind, message)
+
+
+def _error_at(path: str, status: int, kind: str, message: str) -> JSONResponse:
+    if "/v1/" in path and not path.startswith("/v1/traces"):
+        return _openai_error(status, kind, message)
+    return _error(status, kind, message)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
@@ -141,7 +165,8 @@ def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
             given = headers.get(b"authorization", b"")
             # compare_digest takes the same time wherever the first differing byte is.
             if not hmac.compare_digest(given, expected):
-                await _error(
+                await _error_at(
+                    scope["path"],
                     401,
                     "Unauthorized",
                     "missing or wrong API key: send 'Authorization: Bearer <LIGHTNING_API_KEY>'",
@@ -149,7 +174,7 @@ def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
                 return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            await _too_large(max_bytes)(scope, receive, send)
+            await _too_large(scope["path"], max_bytes)(scope, receive, send)
             return
         # Read the whole body here, up to the limit, and replay it: an error raised while the
         # app reads it would be turned into a generic 400 by the framework.
@@ -162,7 +187,7 @@ def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             if seen > max_bytes:
-                await _too_large(max_bytes)(scope, receive, send)
+                await _too_large(scope["path"], max_bytes)(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -180,8 +205,9 @@ def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
     return middleware
 
 
-def _too_large(max_bytes: int) -> JSONResponse:
-    return _error(
+def _too_large(path: str, max_bytes: int) -> JSONResponse:
+    return _error_at(
+        path,
         413,
         "PayloadTooLarge",
         f"request body over the limit of {max_bytes} bytes: send smaller batches, or raise "
@@ -213,18 +239,23 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = 64 * 1024 * 1024,
     close_store: bool = True,
+    gateway: Gateway | None = None,
 ) -> Any:
-    """The FastAPI app serving `store`; wrapped in the auth and size-limit middleware."""
+    """The FastAPI app serving `store` (and `gateway`, if given), wrapped in the auth and
+    size-limit middleware. Closing the app closes the store and the gateway's backend."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
+        if gateway is not None:
+            await gateway.backend.close()
         if close_store:
             await store.close()
 
     app = FastAPI(
-        title="lightning-rl store",
-        description="Rollout queue, spans and transitions of lightning-rl, and an OTLP endpoint.",
+        title="lightning-rl",
+        description="The LightningStore (rollouts, spans, transitions, OTLP traces) and the "
+        "OpenAI-compatible policy gateway.",
         lifespan=lifespan,
         # The store must not trace its own requests: an agent running in this process may have
         # set a global OpenTelemetry provider, whose spans belong to its rollout, not to us.
@@ -233,13 +264,18 @@ def create_app(
     app.router.route_class = _OrjsonRoute
 
     @app.exception_handler(LightningError)
-    async def lightning_error(_: Request, exc: LightningError) -> JSONResponse:
-        return _error(exc.status_code, type(exc).__name__, str(exc))
+    async def lightning_error(request: Request, exc: LightningError) -> JSONResponse:
+        return _error_for(request, exc.status_code, type(exc).__name__, str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         status, message = _validation_message(exc)
-        return _error(status, "InvalidInput", message)
+        if "/v1/" in request.url.path:
+            status = 400  # OpenAI answers every malformed request with 400
+        return _error_for(request, status, "InvalidInput", message)
+
+    if gateway is not None:
+        app.include_router(gateway_router(gateway, route_class=_OrjsonRoute))
 
     @app.get("/health")
     async def health() -> dict[str, str]:

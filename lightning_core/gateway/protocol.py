@@ -1,0 +1,140 @@
+"""OpenAI's request shapes for chat and text completions, as the official client sends them.
+
+Unknown fields are accepted (clients and frameworks send many), but a field that would change
+the answer and that the gateway does not implement is refused with a clear 400, rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lightning_core.backends.base import SamplingParams
+from lightning_core.errors import InvalidInput
+
+# Fields that change the output and are not implemented, with the value that means "unused".
+_UNSUPPORTED = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+class _OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(description="Base model name or a LoRA adapter (policy version) name.")
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _OpenAIRequest:
+        for name, unused in _UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in unused:
+                raise InvalidInput(f"'{name}' is not supported by this gateway; leave it unset")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if len(stops) > 4:
+            raise InvalidInput("at most 4 stop sequences are allowed")
+        return [s for s in stops if s]
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def sampling(self, max_new_tokens: int, top_logprobs: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=self.stop_list(),
+            top_logprobs=top_logprobs,
+        )
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check_messages(self) -> ChatCompletionRequest:
+        for i, m in enumerate(self.messages):
+            if m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+                raise InvalidInput(f"messages[{i}].role {m.get('role')!r} is not a chat role")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidInput("top_logprobs needs logprobs=true")
+        if isinstance(self.tool_choice, str) and self.tool_choice not in (
+            "none",
+            "auto",
+            "required",
+        ):
+            raise InvalidInput(f"tool_choice {self.tool_choice!r} is not none, auto or required")
+        return self
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model may call, after tool_choice."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, dict):
+            wanted = self.tool_choice.get("function", {}).get("name")
+            chosen = [t for t in self.tools if t.get("function", {}).get("name") == wanted]
+            if not chosen:
+                raise InvalidInput(f"tool_choice names {wanted!r}, which is not in tools")
+            return chosen
+        return self.tools
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids as given."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidInput("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+ModelObject = dict[str, Any]
+
+
+def model_object(name: str, owned_by: str = "lightning-rl", parent: str | None = None):
+    out: ModelObject = {"id": name, "object": "model", "created": 0, "owned_by": owned_by}
+    if parent:
+        out["parent"] = parent
+    return out
+
+
+ErrorType = Literal["invalid_request_error", "not_found_error", "server_error"]

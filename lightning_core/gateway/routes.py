@@ -1,0 +1,76 @@
+"""The gateway's HTTP routes: OpenAI's /v1 API, plain and under a rollout attempt's prefix.
+
+An agent inside a rollout gets `base_url = <server>/rollouts/<rollout_id>/attempts/<attempt_id>/v1`
+and needs nothing else: every call it makes there is recorded on that attempt. It may name
+itself (for multi-agent systems) with the `X-Lightning-Agent` header or `metadata.agent_name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from lightning_core import semconv
+from lightning_core.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from lightning_core.gateway.service import CallContext, Gateway
+
+ROLLOUT_PREFIX = "/rollouts/{rollout_id}/attempts/{attempt_id}"
+
+
+def _context(request: Request, metadata: dict[str, Any] | None) -> CallContext:
+    params = request.path_params
+    agent = request.headers.get(semconv.AGENT_HEADER) or (metadata or {}).get(
+        semconv.AGENT_METADATA_KEY
+    )
+    return CallContext(
+        rollout_id=params.get("rollout_id"),
+        attempt_id=params.get("attempt_id"),
+        agent_name=agent,
+        traceparent=request.headers.get("traceparent"),
+    )
+
+
+def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
+    if isinstance(result, dict):
+        return Response(orjson.dumps(result), media_type="application/json")
+    return StreamingResponse(
+        result,
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
+
+
+def gateway_router(gateway: Gateway, route_class: type | None = None) -> APIRouter:
+    router = APIRouter(route_class=route_class) if route_class else APIRouter()
+
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return _respond(await gateway.chat(body, _context(request, body.metadata)))
+
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return _respond(await gateway.completions(body, _context(request, body.metadata)))
+
+    async def models(request: Request) -> Response:
+        if "rollout_id" in request.path_params:
+            gateway._check_rollout(_context(request, None))
+        return Response(orjson.dumps(gateway.models()), media_type="application/json")
+
+    routes: list[tuple[str, Callable[..., Awaitable[Response]], str, str]] = [
+        ("/v1/chat/completions", chat_completions, "POST", "Chat completion (OpenAI)"),
+        ("/v1/completions", completions, "POST", "Text completion (OpenAI)"),
+        ("/v1/models", models, "GET", "Served models: base and LoRA adapters"),
+    ]
+    for prefix, scope in (("", "outside a rollout"), (ROLLOUT_PREFIX, "recorded on the attempt")):
+        for path, endpoint, method, summary in routes:
+            router.add_api_route(
+                prefix + path,
+                endpoint,
+                methods=[method],
+                summary=f"{summary}, {scope}",
+                name=f"{endpoint.__name__}{'_in_rollout' if prefix else ''}",
+                tags=["gateway"],
+            )
+    return router
