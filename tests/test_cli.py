@@ -73,3 +73,27 @@ def test_serve_rejects_a_bad_setting_without_a_traceback():
     result = cli("serve", "--port", "70000")
     assert result.returncode == 2
     assert "port" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_with_an_unloadable_model_says_why(tmp_path):
+    result = cli("serve", "--db", str(tmp_path / "s.duckdb"), "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert "no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_runs_the_gateway_with_a_model(tmp_path):
+    import openai
+
+    port = free_port()
+    server = start_server(tmp_path / "s.duckdb", port, "--model", "tiny")
+    try:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        [model] = api.models.list().data
+        answer = api.chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert answer.usage.completion_tokens <= 3
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=30)
+    assert server.returncode == 0

@@ -31,7 +31,7 @@ def start_server(db: Path, port: int, *extra: str, env: dict | None = None) -> s
             str(db),
             "--port",
             str(port),
-            *list(extra),
+            *(extra or ("--backend", "none")),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -116,7 +116,18 @@ def test_second_server_on_the_same_file_says_why(tmp_path):
     first = start_server(db, free_port())
     try:
         second = subprocess.run(
-            [sys.executable, "-m", "lightning_core.cli", "serve", "--db", str(db), "--port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "lightning_core.cli",
+                "serve",
+                "--db",
+                str(db),
+                "--port",
+                "0",
+                "--backend",
+                "none",
+            ],
             capture_output=True,
             text=True,
             timeout=60,

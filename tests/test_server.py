@@ -29,7 +29,7 @@ def served():
     store = DuckDBStore(db=":memory:")
     with (
         ThreadedServer(create_app(store, max_request_bytes=200_000)) as server,
-        httpx.Client(base_url=server.url, timeout=10) as http,
+        httpx.Client(base_url=server.url, timeout=60) as http,
     ):
         yield server, http
 

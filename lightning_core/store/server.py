@@ -246,6 +246,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        # A backend that runs a server of its own (vLLM) starts on this loop, before requests.
+        start = getattr(gateway.backend, "start", None) if gateway is not None else None
+        if start is not None:
+            await start()
         yield
         if gateway is not None:
             await gateway.backend.close()

@@ -1,0 +1,69 @@
+"""Real models for tests: the tiny random Llama, and a copy taught to call a tool.
+
+A random model never writes a tool call, so the tool round trip is tested with a tiny model that
+was trained (a few seconds of AdamW on one example) to answer one tools prompt with one call.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_core.gateway.chat import encode, render_chat
+from lightning_core.models import _building, cache_dir, tiny_model_dir
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+TOOL_QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the tool."}]
+TOOL_CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def tool_calling_model(steps: int = 120) -> Path:
+    """The tiny model, trained to answer TOOL_QUESTION (with TOOLS) by calling `add`; built
+    once into the cache."""
+    target_dir = cache_dir() / "models" / "tiny-tool-caller"
+    with _building(target_dir) as scratch:
+        if scratch is not None:
+            _train_tool_call(scratch, steps)
+    return target_dir
+
+
+def _train_tool_call(folder: Path, steps: int) -> None:
+    shutil.copytree(tiny_model_dir(), folder, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = encode(tokenizer, render_chat(tokenizer, TOOL_QUESTION, TOOLS))
+    target = [*encode(tokenizer, TOOL_CALL_TEXT), tokenizer.eos_token_id]
+    ids = torch.tensor([prompt + target])
+    labels = torch.tensor([[-100] * len(prompt) + target])
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.02:
+            break
+    model.eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False)
+    if out[0, len(prompt) :].tolist() != target:
+        raise RuntimeError(f"the tool-calling test model did not learn its call (loss {loss})")
+    model.save_pretrained(folder)
