@@ -28,7 +28,8 @@ def free_port() -> int:
 class ThreadedServer:
     """uvicorn serving an app on 127.0.0.1 from a background thread (its own event loop)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, start_timeout: float = 20.0) -> None:
+        self.start_timeout = start_timeout
         self.port = free_port()
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
@@ -42,7 +43,7 @@ class ThreadedServer:
 
     def __enter__(self) -> ThreadedServer:
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + self.start_timeout
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("test server did not start")
