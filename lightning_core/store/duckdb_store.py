@@ -52,6 +52,10 @@ from lightning_core.types import (
 )
 
 
+# How long spans recorded without waiting may sit before they are committed.
+NOWAIT_FLUSH_DELAY_S = 0.05
+
+
 class _Signal:
     """Wakes every waiter once per `fire`; waiters re-check their condition after waking."""
 
@@ -95,6 +99,7 @@ class DuckDBStore:
         self._written = 0
         self._durable = 0
         self._flusher: asyncio.Task[None] | None = None
+        self._flush_scheduled = False
         self._committed = _Signal()
         self._broken: BaseException | None = None
         self._work_arrived = _Signal()
@@ -421,6 +426,16 @@ class DuckDBStore:
         group, and are seen by every read made after this call returns.
         """
         self._stage_spans(spans)
+        if not self._flush_scheduled:
+            # Nobody waits for these: commit them a moment later, together with whatever else
+            # comes by then, rather than spend a transaction (and an fsync) on each LLM call.
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_later(NOWAIT_FLUSH_DELAY_S, self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_scheduled = False
+        if self._closed:
+            return
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
