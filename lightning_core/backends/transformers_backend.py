@@ -2,16 +2,17 @@
 LoRA adapters mixed in one batch, per-request sampling with logprobs.
 
 One engine thread owns the model and loops: take commands (new requests, aborts, adapter loads),
-prefill the prompts admitted since the last step in one forward, rebuild the batch's KV cache
-when sequences left or joined, then run one decode step for every running sequence. It calls
-the model's forward directly: HF `generate` rebuilds its cache, masks and logits processors on
-every call and cannot add a sequence to a batch that is already decoding.
+prefill the prompts admitted since the last step in one forward, drop the finished rows from
+the batch's KV cache and add the new ones, then run one decode step for every running sequence.
+It calls the model's forward directly: HF `generate` rebuilds its cache, masks and logits
+processors on every call and cannot add a sequence to a batch that is already decoding.
 
 The cache is right-aligned: every row's tokens end at the same column, so one decode step
 writes one column for all rows and the left padding is masked out. Rows of different LoRA
 adapters (and of the base model) share a forward through PEFT's `adapter_names=` mixed-batch
 path. Works with full-attention decoder models whose attention layers call `cache.update`
 (Llama, SmolLM, Qwen2, Mistral without a sliding window); the mask we pass is plain causal.
+On CPU the linear layers run on prepacked oneDNN weights (see `_PackedLinear`).
 """
 
 from __future__ import annotations
@@ -127,27 +128,20 @@ def _can_pack(dtype: torch.dtype) -> bool:
 class _KVCache:
     """Keys and values of a batch, right-aligned at `width`.
 
-    Row i holds its tokens in the columns just left of `width`; the columns further left are
-    zeros that the attention mask hides. Each attention layer's `update` writes the forward's
-    new columns at `width` for every row at once; the engine then moves `width` on
-    (`advance`). Storage is allocated `capacity` columns wide ahead of time, so a decode step
-    copies nothing (transformers' DynamicCache concatenates: a copy of the cache per step).
+    Each layer's buffer is [row_capacity, heads, capacity, dim] and its first `rows` rows are
+    live. Row i holds its tokens in the columns just left of `width`; the columns further left
+    hold zeros or stale (finite) values of departed rows, which the attention mask hides. Each
+    attention layer's `update` writes the forward's new columns at `width` for every row at
+    once; the engine then moves `width` on (`advance`). Room for more columns and rows is
+    allocated ahead, so a decode step copies nothing (transformers' DynamicCache concatenates:
+    a copy of the whole cache per step) and rows leave and join by copying only themselves.
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], width: int) -> None:
-        self.keys, self.values, self.width = keys, values, width
-        self._capacity = keys[0].shape[2] if keys else 0
-
-    @classmethod
-    def lazy(cls, capacity: int) -> _KVCache:
-        """A cache whose layers are allocated by their first `update` (shapes from the model)."""
-        cache = cls([], [], 0)
-        cache._capacity = capacity
-        return cache
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
+    def __init__(self, rows: int, capacity: int, row_capacity: int = 0, width: int = 0) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.rows, self.capacity, self.width = rows, capacity, width
+        self.row_capacity = max(row_capacity, rows)
 
     def update(
         self,
@@ -157,22 +151,67 @@ class _KVCache:
         *_: Any,
         **__: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx == len(self.keys):
-            rows, heads, _, dim = key_states.shape
-            shape = (rows, heads, self._capacity, dim)
-            self.keys.append(key_states.new_zeros(shape))
-            self.values.append(value_states.new_zeros((*shape[:3], value_states.shape[3])))
+        if layer_idx == len(self.keys):  # allocated by the first forward: shapes from the model
+            self.keys.append(self._buffer(key_states))
+            self.values.append(self._buffer(value_states))
         end = self.width + key_states.shape[2]
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
         keys[:, :, self.width : end] = key_states
         values[:, :, self.width : end] = value_states
         return keys[:, :, :end], values[:, :, :end]
+
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros((self.row_capacity, like.shape[1], self.capacity, like.shape[3]))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
 
     def advance(self, columns: int) -> None:
         self.width += columns
+
+    def keep(self, kept: list[int]) -> list[int]:
+        """Keep only the rows `kept` (ascending); return the new row order as old row indices.
+
+        The last live rows move into the holes the others leave, so only they are copied.
+        """
+        live, staying = len(kept), set(kept)
+        holes = [row for row in range(live) if row not in staying]
+        movers = [row for row in kept if row >= live]
+        if holes:
+            target = torch.tensor(holes, device=self.keys[0].device)
+            source = torch.tensor(movers, device=self.keys[0].device)
+            for buffer in (*self.keys, *self.values):
+                buffer[target, :, : self.width] = buffer[source, :, : self.width]
+        order = list(range(live))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        self.rows = live
+        return order
+
+    def append(self, source: _KVCache, rows: list[int], span: int) -> None:
+        """Add `rows` of `source` after the live rows: their last `span` columns, ending at
+        `width` here as there (span <= width)."""
+        target = slice(self.rows, self.rows + len(rows))
+        index = torch.tensor(rows, device=self.keys[0].device)
+        mine, theirs = (*self.keys, *self.values), (*source.keys, *source.values)
+        for buffer, other in zip(mine, theirs, strict=True):
+            buffer[target, :, self.width - span : self.width] = other[
+                index, :, source.width - span : source.width
+            ]
+        self.rows += len(rows)
+
+    @classmethod
+    def realigned(
+        cls, parts: list[tuple[_KVCache, list[int], int]], width: int, capacity: int, rows: int
+    ) -> _KVCache:
+        """A new cache of the given (cache, rows, span) parts, right-aligned at `width`."""
+        cache = cls(rows=0, capacity=capacity, row_capacity=rows, width=width)
+        template = parts[0][0]
+        cache.keys = [cache._buffer(buffer) for buffer in template.keys]
+        cache.values = [cache._buffer(buffer) for buffer in template.values]
+        for part, part_rows, span in parts:
+            cache.append(part, part_rows, span)
+        return cache
 
 
 class _StopStrings:
@@ -287,31 +326,15 @@ class _Engine:
     """The model, its KV cache and the running batch, driven by one thread."""
 
     def __init__(self, config: TransformersBackendConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.config = config
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         self.dtype = getattr(torch, dtype_name)
-        path = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        # sdpa: the attention that takes our 4D boolean masks as they are.
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.dtype, attn_implementation="sdpa"
-        )
-        self.model: nn.Module = model.to(self.device).eval()
-        if config.pack_weights and self.device.type == "cpu" and _can_pack(self.dtype):
-            _pack_linears(self.model)
         self.peft: nn.Module | None = None
-        parameters = inspect.signature(type(model).forward).parameters
-        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
-        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-        self.vocab = model.get_input_embeddings().num_embeddings
-        self.pad_id = self.tokenizer.pad_token_id or 0
-        self.eos_ids = self._eos_ids(model)
-
+        # How the LoRA layers are set up (see _select_lora_mode); None: unknown after a change.
+        self._lora_mode: str | None = None
         self.adapter_ids: dict[str, str] = {}  # public name -> PEFT adapter name
         self._retired: set[str] = set()  # replaced or unloaded; deleted once unused
         self._users: Counter[str] = Counter()
@@ -325,8 +348,39 @@ class _Engine:
         self._cache: _KVCache | None = None
         self._outbox: list[tuple[_Job, Any]] = []
         self.closed = False
-        self._thread = threading.Thread(target=self._run, name="transformers-engine", daemon=True)
+        loaded: Future = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(loaded,), name="transformers-engine", daemon=True
+        )
         self._thread.start()
+        loaded.result()
+
+    def _load(self) -> None:
+        """Load (and on first use build) the model and tokenizer, on the engine thread.
+
+        All torch work stays on this one thread: once a second thread has run parallel torch
+        ops, libgomp sees more OpenMP threads than cores and stops spinning between parallel
+        regions, which made each decode step about 40% slower (29 ms instead of 21 at batch 1).
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        path = resolve_model(self.config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        # sdpa: the attention that takes our 4D boolean masks as they are.
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=self.dtype, attn_implementation="sdpa"
+        )
+        self.model: nn.Module = model.to(self.device).eval()
+        if self.config.pack_weights and self.device.type == "cpu" and _can_pack(self.dtype):
+            _pack_linears(self.model)
+        parameters = inspect.signature(type(model).forward).parameters
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.vocab = model.get_input_embeddings().num_embeddings
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.eos_ids = self._eos_ids(model)
 
     def _eos_ids(self, model: nn.Module) -> frozenset[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -360,8 +414,9 @@ class _Engine:
         self._send("submit", job)
 
     def abort(self, job: _Job) -> None:
-        if not job.done:
-            self._send("abort", job)
+        # A closed engine has failed every job already; nothing is left to abort.
+        if not job.done and not self.closed:
+            self._inbox.put(("abort", job))
 
     def call(self, function: Callable[..., Any], *args: Any) -> Future:
         """Run `function` on the engine thread between two steps (for adapter changes)."""
@@ -381,9 +436,14 @@ class _Engine:
 
     # -- the engine thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
+    def _run(self, loaded: Future) -> None:
+        try:
+            self._load()
+        except BaseException as exc:
+            self.closed = True
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(None)
         with torch.inference_mode():
             while not self.closed:
                 idle = not self._rows and not self._waiting
@@ -523,7 +583,7 @@ class _Engine:
         # Padding queries attend to themselves: a row with every key masked would give NaN,
         # and NaN keys leak through the cache even where the mask hides them (0 * NaN).
         mask |= torch.eye(width, dtype=torch.bool, device=device)
-        cache = _KVCache.lazy(width)
+        cache = _KVCache(rows=len(jobs), capacity=width)
         logits = self._forward(
             input_ids, mask[:, None], positions, cache, [job.adapter_id for job in jobs]
         )
@@ -560,56 +620,49 @@ class _Engine:
         )
 
     def _rebuild(self, joining: list[tuple[_Sequence, int]], prefilled: _KVCache | None) -> None:
-        """Drop the rows that left, append the ones joining, and re-align: one copy per layer."""
+        """Drop the rows that left and add the ones joining: in place when they fit, else
+        into a new cache, re-aligned and with room to grow."""
         old = self._cache
         kept = [row for row, s in enumerate(self._rows) if not s.leaving]
-        rows = [self._rows[row] for row in kept] + [s for s, _ in joining]
-        self._rows = rows
-        if not rows:
-            self._cache = None
+        joined = [s for s, _ in joining]
+        live = [self._rows[row] for row in kept] + joined
+        if not live:
+            self._rows, self._cache = [], None
             return
-        width = max(s.length for s in rows)
-        # Each step writes one column; no row needs more than its remaining new tokens.
-        room = max(s.job.request.params.max_new_tokens - len(s.token_ids) for s in rows)
-        capacity = width + max(1, min(room, self.config.cache_chunk))
-        kept_width = max((s.length for s in rows[: len(kept)]), default=0)
-        join_width = max((s.length for s, _ in joining), default=0)
-        keep_index = torch.tensor(kept, dtype=torch.long, device=self.device)
-        join_index = torch.tensor([row for _, row in joining], dtype=torch.long, device=self.device)
-
-        def realign(running: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor:
-            template = running if running is not None else new
-            assert template is not None
-            heads, dim = template.shape[1], template.shape[3]
-            buffer = template.new_zeros((len(rows), heads, capacity, dim))
-            if kept:
-                assert running is not None and old is not None
-                buffer[: len(kept), :, width - kept_width : width] = running[
-                    keep_index, :, old.width - kept_width : old.width
-                ]
+        width = max(s.length for s in live)
+        join_rows = [row for _, row in joining]
+        join_span = max((s.length for s in joined), default=0)
+        # In place needs room and nobody longer than the aligned width; a batch mostly made
+        # of left padding (its longest rows left) is re-aligned: attention pays for padding.
+        if (
+            old is not None
+            and len(live) <= old.row_capacity
+            and width <= old.width < old.capacity
+            and old.width - width < max(self.config.cache_chunk, old.width // 2)
+        ):
+            order = old.keep(kept)
             if joining:
-                assert new is not None and prefilled is not None
-                buffer[len(kept) :, :, width - join_width : width] = new[
-                    join_index, :, prefilled.width - join_width : prefilled.width
-                ]
-            return buffer
-
-        layers = len((old or prefilled).keys)  # type: ignore[union-attr]
-        self._cache = _KVCache(
-            [
-                realign(old.keys[i] if old else None, prefilled.keys[i] if prefilled else None)
-                for i in range(layers)
-            ],
-            [
-                realign(old.values[i] if old else None, prefilled.values[i] if prefilled else None)
-                for i in range(layers)
-            ],
-            width,
-        )
+                assert prefilled is not None
+                old.append(prefilled, join_rows, join_span)
+            self._rows = [self._rows[row] for row in order] + joined
+            return
+        # Each step writes one column; no row needs more than its remaining new tokens.
+        room = max(s.job.request.params.max_new_tokens - len(s.token_ids) for s in live)
+        capacity = width + max(1, min(room, self.config.cache_chunk))
+        rows = min(self.config.max_batch_size, len(live) + max(4, len(live) // 2))
+        parts: list[tuple[_KVCache, list[int], int]] = []
+        if kept:
+            assert old is not None
+            parts.append((old, kept, max(self._rows[row].length for row in kept)))
+        if joining:
+            assert prefilled is not None
+            parts.append((prefilled, join_rows, join_span))
+        self._cache = _KVCache.realigned(parts, width, capacity, rows)
+        self._rows = live
 
     def _decode(self) -> None:
         rows, cache = self._rows, self._cache
-        assert cache is not None
+        assert cache is not None and cache.rows == len(rows)
         device = self.device
         lengths = torch.tensor([s.length for s in rows], device=device)
         input_ids = torch.tensor([[s.token_ids[-1]] for s in rows], device=device)
@@ -646,9 +699,33 @@ class _Engine:
         }
         if self.peft is None:
             output = self.model(**kwargs)
+        elif (names := self._select_lora_mode(adapter_ids)) is None:
+            output = self.peft(**kwargs)
         else:
-            output = self.peft(adapter_names=adapter_ids, **kwargs)
+            output = self.peft(adapter_names=names, **kwargs)
         return output.logits[:, -1].float()
+
+    def _select_lora_mode(self, adapter_ids: list[str]) -> list[str] | None:
+        """Set the LoRA layers up for this batch; the `adapter_names` to pass, if mixed.
+
+        PEFT's mixed-batch path gathers and scatters each adapter's rows in every LoRA layer
+        (it cost SmolLM2 a third of its decode speed at batch 8). A batch on one adapter, the
+        common case of an RL policy, takes the plain path with that adapter active, and an
+        all-base batch runs with the adapters disabled. Switching walks every module, so it
+        happens only when the batch's kind changes.
+        """
+        assert self.peft is not None
+        first = adapter_ids[0]
+        mode = first if all(a == first for a in adapter_ids) else "mixed"
+        if mode != self._lora_mode:
+            if mode == BASE:
+                self.peft.base_model.disable_adapter_layers()
+            else:
+                self.peft.base_model.enable_adapter_layers()
+                if mode != "mixed":
+                    self.peft.set_adapter(mode, inference_mode=True)
+            self._lora_mode = mode
+        return adapter_ids if mode == "mixed" else None
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> None:
         params = [s.job.request.params for s in rows]
@@ -744,14 +821,19 @@ class _Engine:
         # PEFT names must be valid module names, and requests already running on an adapter
         # being replaced keep the weights they started with: each load gets a fresh name.
         adapter_id = f"lora{next(self._adapter_numbers)}"
+        # What PeftModel.from_pretrained does, in two steps so that a failed load (missing
+        # weights, an adapter of another model) leaves no LoRA layers behind in the model.
+        peft = self.peft or PeftModel(self.model, adapter_config, adapter_name=adapter_id)
         try:
-            if self.peft is None:
-                self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=adapter_id)
-            else:
-                self.peft.load_adapter(path, adapter_name=adapter_id)
+            peft.load_adapter(path, adapter_name=adapter_id)
         except Exception as exc:
+            if self.peft is None:
+                self.model = peft.unload()
+            elif adapter_id in peft.peft_config:
+                peft.delete_adapter(adapter_id)
             raise InvalidInput(f"cannot load LoRA adapter {name!r} from {path}: {exc}") from exc
-        self.peft.eval()
+        self.peft = peft.eval()
+        self._lora_mode = None
         previous = self.adapter_ids.get(name)
         self.adapter_ids[name] = adapter_id
         if previous is not None:
@@ -770,11 +852,17 @@ class _Engine:
             self._retired.discard(adapter_id)
             assert self.peft is not None
             if len(self.peft.peft_config) == 1:
-                # The last adapter: unwrap, so base-only batches skip PEFT's per-step hooks.
+                # The last adapter: unwrap, so batches run the plain model again.
                 self.model = self.peft.unload()
                 self.peft = None
             else:
+                if adapter_id in self.peft.active_adapters:
+                    # PEFT would hand "active" on itself, with a warning; _select_lora_mode
+                    # sets the active adapter again before the next forward anyway.
+                    staying = next(a for a in self.peft.peft_config if a != adapter_id)
+                    self.peft.set_adapter(staying, inference_mode=True)
                 self.peft.delete_adapter(adapter_id)
+            self._lora_mode = None
 
 
 def _served_name(model: str | None) -> str:
@@ -822,6 +910,14 @@ class TransformersBackend:
 
     def adapters(self) -> list[str]:
         return sorted(self._engine.adapter_ids)
+
+    def stats(self) -> dict[str, int]:
+        """Sequences decoding now and requests waiting for a row (a snapshot, for metrics)."""
+        engine = self._engine
+        return {
+            "running": sum(not s.leaving for s in list(engine._rows)),
+            "waiting": len(engine._waiting),
+        }
 
     async def generate(self, request: GenerationRequest) -> list[Choice]:
         job = self._submit(request, streaming=False)

@@ -51,7 +51,6 @@ from lightning_core.types import (
     now,
 )
 
-
 # How long spans recorded without waiting may sit before they are committed.
 NOWAIT_FLUSH_DELAY_S = 0.05
 
