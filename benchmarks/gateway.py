@@ -41,6 +41,7 @@ import aiohttp  # noqa: E402
 
 from lightning_core.backends.base import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_core.models import default_model_dir, tiny_model_dir  # noqa: E402
+from lightning_core.serving import start_serve, stop_serve  # noqa: E402
 
 FAKE_TOKENS = 20
 LEVELS = (1, 8, 32)
@@ -190,28 +191,14 @@ def part_one(requests: int) -> list[dict[str, Any]]:
     gateway = None
     try:
         _wait(f"http://127.0.0.1:{fake_port}/health", fake)
-        gateway = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lightning_core.cli",
-                "serve",
-                "--port",
-                str(gateway_port),
-                "--db",
-                str(workdir / "store.duckdb"),
-                "--backend",
-                "vllm",
-                "--vllm-url",
-                f"http://127.0.0.1:{fake_port}",
-                "--model",
-                str(model_dir),
-            ],
+        gateway = start_serve(
+            workdir / "store.duckdb",
+            gateway_port,
+            *("--backend", "vllm", "--vllm-url", f"http://127.0.0.1:{fake_port}"),
+            *("--model", str(model_dir)),
             preexec_fn=_pinned(1),
-            cwd=ROOT,
         )
         base = f"http://127.0.0.1:{gateway_port}"
-        _wait(f"{base}/health", gateway)
         os.sched_setaffinity(0, {0} if 0 in os.sched_getaffinity(0) else os.sched_getaffinity(0))
         rollout_url = asyncio.run(_claim(base))
         from transformers import AutoTokenizer
@@ -233,7 +220,7 @@ def part_one(requests: int) -> list[dict[str, Any]]:
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         if gateway is not None:
-            _stop(gateway)
+            stop_serve(gateway)
         _stop(fake)
 
 

@@ -23,12 +23,9 @@ import multiprocessing as mp
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.workload import WorkloadShape, generate_attributes, rollout_plan  # noqa: E402
 from lightning_core import semconv  # noqa: E402
+from lightning_core.serving import start_serve, stop_serve  # noqa: E402
 from lightning_core.store.client import HttpStoreClient  # noqa: E402
 from lightning_core.types import Claim, RolloutRequest, RolloutStatus, Span  # noqa: E402
 
@@ -204,41 +202,13 @@ async def _algorithm(url: str, shape: WorkloadShape) -> dict[str, Any]:
     return {"rollouts": checked, "spans": spans_read, "seconds": seconds}
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lightning-rl serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("lightning-rl serve did not become healthy")
-
-
 def run_lightning(shape: WorkloadShape, runner_processes: int, port: int) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lightning_core.cli",
-            "serve",
-            "--backend",
-            "none",
-            "--port",
-            str(port),
-            "--db",
-            str(workdir / "bench.duckdb"),
-        ],
-        cwd=ROOT,
-    )
+    server = start_serve(workdir / "bench.duckdb", port, "--backend", "none")
     ctx = mp.get_context("spawn")
     processes = []
     try:
-        _wait_healthy(url, server)
         per = [shape.runners // runner_processes] * runner_processes
         for i in range(shape.runners % runner_processes):
             per[i] += 1
@@ -261,11 +231,7 @@ def run_lightning(shape: WorkloadShape, runner_processes: int, port: int) -> dic
         for p, _ in processes:
             if p.is_alive():
                 p.kill()
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_serve(server)
         shutil.rmtree(workdir, ignore_errors=True)
     return {
         "store": "lightning-rl (DuckDB file, durable)",

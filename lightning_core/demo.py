@@ -14,9 +14,7 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -24,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from lightning_core import semconv
+from lightning_core.serving import start_serve, stop_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, RolloutStatus, Task
 
@@ -38,31 +37,7 @@ def _free_port() -> int:
 
 
 def _serve(db: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lightning_core.cli",
-            "serve",
-            "--db",
-            str(db),
-            "--port",
-            str(port),
-            "--backend",
-            "none",
-        ]
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit(f"lightning-rl serve exited with {proc.returncode}") from None
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("lightning-rl serve did not start within 60 s")
+    return start_serve(db, port, "--backend", "none")
 
 
 async def _runner(name: str, store: HttpStoreClient, provider: TracerProvider) -> int:
@@ -150,8 +125,7 @@ async def _run(db: Path) -> None:
         print(f"every acknowledged write survived; the store file is {db}")
     finally:
         await store.close()
-        server.send_signal(signal.SIGINT)
-        server.wait()
+        stop_serve(server)
 
 
 def main() -> None:

@@ -3,51 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from lightning_core.errors import LightningError
+from lightning_core.serving import serve_command, start_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, RolloutStatus
 from tests.conftest import free_port
 from tests.helpers import reward_span, span
 
 
-def start_server(db: Path, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lightning_core.cli",
-            "serve",
-            "--db",
-            str(db),
-            "--port",
-            str(port),
-            *(extra or ("--backend", "none")),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, **(env or {})},
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited: {proc.stderr.read().decode()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("serve did not become healthy")
+def start_server(db: Path, port: int, *options: str) -> subprocess.Popen:
+    """`lightning-rl serve` on `db`; the store alone unless options say otherwise."""
+    return start_serve(db, port, *(options or ("--backend", "none")))
 
 
 async def _writer(client: HttpStoreClient, n: int, acked: dict, stop: asyncio.Event) -> None:
@@ -116,18 +88,7 @@ def test_second_server_on_the_same_file_says_why(tmp_path):
     first = start_server(db, free_port())
     try:
         second = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lightning_core.cli",
-                "serve",
-                "--db",
-                str(db),
-                "--port",
-                "0",
-                "--backend",
-                "none",
-            ],
+            serve_command(db, 0, "--backend", "none"),
             capture_output=True,
             text=True,
             timeout=60,
