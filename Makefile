@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo test test-fast lint bench-store clean
+.PHONY: setup setup-dev demo test test-fast lint bench-store bench-gateway clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ lint: setup-dev
 
 bench-store: setup
 	$(BIN)/python benchmarks/store_throughput.py
+
+bench-gateway: setup
+	$(BIN)/python benchmarks/gateway.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
