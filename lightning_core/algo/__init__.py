@@ -1,0 +1,1 @@
+"""LightningRL: credit assignment (episode -> actions -> tokens), advantages and losses."""

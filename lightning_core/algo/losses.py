@@ -1,0 +1,82 @@
+"""Token-level policy-gradient losses: PPO-clip / GRPO with the behaviour policy's logprobs.
+
+The importance ratio is taken against the logprobs recorded at rollout time, so stale rollouts
+(sampled by an older policy version) are corrected rather than trusted or thrown away. Clipping
+may be asymmetric (clip-higher: a larger upper bound keeps low-probability tokens learnable).
+An optional KL penalty to the reference policy uses the k3 estimator, exp(q - p) - (q - p) - 1,
+which is unbiased and never negative; the reference logprobs come from the same model with the
+LoRA adapter disabled, so no second copy of the model is needed.
+
+Aggregation over a batch of sequences (mask marks response tokens):
+- token-mean: every token weighs the same (long answers weigh more);
+- seq-mean-token-sum: sum over each sequence's tokens, mean over sequences;
+- seq-mean-token-mean: mean over each sequence's tokens, then over sequences (GRPO's original).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    clip_frac: float
+    kl: float
+    ratio_mean: float
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+    mask = mask.to(per_token.dtype)
+    if mode == "token-mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    per_seq = (per_token * mask).sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        return per_seq.mean()
+    if mode == "seq-mean-token-mean":
+        return (per_seq / mask.sum(dim=-1).clamp(min=1.0)).mean()
+    raise ValueError(f"unknown aggregation {mode!r}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: Aggregation = "token-mean",
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossOutput:
+    """PPO-clip loss over [batch, tokens] tensors; advantages broadcast per token."""
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    kl_value = 0.0
+    if ref_logprobs is not None:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1.0
+        kl_value = float(aggregate(kl.detach(), mask, "token-mean"))
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    with torch.no_grad():
+        was_clipped = (clipped > unclipped).to(mask.dtype)
+        clip_frac = float((was_clipped * mask).sum() / mask.sum().clamp(min=1.0))
+        ratio_mean = float((ratio * mask).sum() / mask.sum().clamp(min=1.0))
+    return LossOutput(aggregate(per_token, mask, aggregation), clip_frac, kl_value, ratio_mean)
+
+
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean entropy of the policy over response tokens (a metric: it is not optimised)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        return float(aggregate(entropy, mask, "token-mean"))
