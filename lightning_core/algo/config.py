@@ -1,0 +1,53 @@
+"""Configuration of the LoRA policy-gradient trainer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from lightning_core.algo.losses import Aggregation
+
+
+class LoRAConfig(BaseModel):
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names that get adapters (attention projections by default).",
+    )
+
+
+class TrainerConfig(BaseModel):
+    """One policy-gradient update per batch of transitions, on a LoRA adapter."""
+
+    model: str | None = Field(
+        None, description="Base model folder or hub id; None: SmolLM2-135M-Instruct."
+    )
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Token budget of one forward (prompt + response, padding included); the "
+        "batch is split into micro-batches that fit and their gradients accumulated.",
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO clip below 1 (ratio >= 1 - clip_low).")
+    clip_high: float = Field(
+        0.28, ge=0, description="PPO clip above 1; larger than clip_low is clip-higher (DAPO)."
+    )
+    aggregation: Aggregation = Field("token-mean", description="How token losses are averaged.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 to skip it."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward: less memory, ~1/3 more compute."
+    )
+    device: str | None = Field(None, description="torch device; None: CUDA when available.")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="None: float32 on CPU, bfloat16 on CUDA."
+    )
+    seed: int = Field(0, description="Seeds adapter initialisation and dropout.")

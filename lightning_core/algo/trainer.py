@@ -1,0 +1,215 @@
+"""The LoRA trainer: one policy-gradient update of a PEFT adapter per batch of transitions.
+
+Each transition is trained as its own single-turn sample (prompt ids -> response ids) with the
+advantage credit assignment gave it: no concatenated multi-turn sequence, no masking of other
+turns. The batch is cut into micro-batches that fit a token budget; their gradients accumulate,
+weighted so that the update equals one over the whole batch; then the gradient is clipped and
+AdamW steps. Each saved version holds the adapter (PEFT format) and the optimizer state, so that
+training resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_core.algo.config import TrainerConfig
+from lightning_core.algo.losses import entropy_from_logits, policy_loss
+from lightning_core.errors import InvalidInput
+from lightning_core.models import resolve_model
+from lightning_core.types import Transition
+
+STATE_FILE = "trainer_state.pt"
+
+
+class LoRATrainer:
+    """Trains a LoRA adapter on top of a frozen base model."""
+
+    def __init__(self, config: TrainerConfig | None = None, adapter: str | Path | None = None):
+        from peft import LoraConfig, PeftModel, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        self.config = config = config or TrainerConfig()
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = getattr(torch, dtype_name)
+        torch.manual_seed(config.seed)
+        base = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=self.dtype)
+        base.to(self.device)
+        if config.gradient_checkpointing:
+            base.gradient_checkpointing_enable()
+            base.enable_input_require_grads()
+        if adapter is not None:
+            self.model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
+        else:
+            lora = LoraConfig(
+                r=config.lora.rank,
+                lora_alpha=config.lora.alpha,
+                lora_dropout=config.lora.dropout,
+                target_modules=config.lora.target_modules,
+            )
+            self.model = get_peft_model(base, lora)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.learning_rate, weight_decay=config.weight_decay
+        )
+        self.version = 0
+        state = Path(adapter) / STATE_FILE if adapter is not None else None
+        if state is not None and state.is_file():
+            saved = torch.load(state, map_location=self.device, weights_only=False)
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.version = saved["version"]
+            torch.set_rng_state(saved["rng"])
+        self.pad_id = 0
+
+    # ------------------------------------------------------------------ batching
+
+    def _micro_batches(self, transitions: Sequence[Transition]) -> list[list[Transition]]:
+        """Consecutive groups whose padded size (rows x longest row) fits the token budget."""
+        batches: list[list[Transition]] = []
+        current: list[Transition] = []
+        longest = 0
+        for t in transitions:
+            length = len(t.prompt_token_ids) + len(t.response_token_ids)
+            if length > self.config.micro_batch_tokens:
+                raise InvalidInput(
+                    f"a transition of {length} tokens exceeds micro_batch_tokens="
+                    f"{self.config.micro_batch_tokens}; raise it"
+                )
+            if current and (len(current) + 1) * max(longest, length) > (
+                self.config.micro_batch_tokens
+            ):
+                batches.append(current)
+                current, longest = [], 0
+            current.append(t)
+            longest = max(longest, length)
+        if current:
+            batches.append(current)
+        return batches
+
+    def _tensors(self, batch: list[Transition]) -> dict[str, torch.Tensor]:
+        """Right-padded inputs, and per target position: mask, old logprobs, advantage."""
+        length = max(len(t.prompt_token_ids) + len(t.response_token_ids) for t in batch)
+        rows = len(batch)
+        ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((rows, length), dtype=torch.long)
+        # Target position j predicts token j + 1: tensors over length - 1 positions.
+        mask = torch.zeros((rows, length - 1), dtype=self.dtype)
+        old = torch.zeros((rows, length - 1), dtype=torch.float32)
+        advantage = torch.zeros((rows, length - 1), dtype=torch.float32)
+        for i, t in enumerate(batch):
+            seq = t.prompt_token_ids + t.response_token_ids
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attention[i, : len(seq)] = 1
+            start, end = len(t.prompt_token_ids) - 1, len(seq) - 1
+            mask[i, start:end] = 1
+            old[i, start:end] = torch.tensor(t.response_logprobs, dtype=torch.float32)
+            advantage[i, start:end] = float(t.advantage or 0.0)
+        tensors = {"ids": ids, "attention": attention, "mask": mask, "old": old, "adv": advantage}
+        return {k: v.to(self.device) for k, v in tensors.items()}
+
+    def _logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1), logits
+
+    # ------------------------------------------------------------------ the update
+
+    def _check(self, transitions: Sequence[Transition]) -> None:
+        if not transitions:
+            raise InvalidInput("a training step needs at least one transition")
+        for t in transitions:
+            if t.advantage is None:
+                raise InvalidInput(
+                    f"transition {t.rollout_id}#{t.step} has no advantage: assign credit first"
+                )
+            if len(t.response_logprobs) != len(t.response_token_ids) or not t.response_token_ids:
+                raise InvalidInput(
+                    f"transition {t.rollout_id}#{t.step} needs one behaviour logprob per response "
+                    f"token ({len(t.response_logprobs)} for {len(t.response_token_ids)})"
+                )
+
+    def step(self, transitions: Sequence[Transition]) -> dict[str, float]:
+        """One optimizer update over the whole batch; returns `train/*` metrics."""
+        self._check(transitions)
+        started = time.perf_counter()
+        c = self.config
+        per_token = c.aggregation == "token-mean"
+        total = (
+            sum(len(t.response_token_ids) for t in transitions) if per_token else len(transitions)
+        )
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        tokens = 0
+        for batch in self._micro_batches(transitions):
+            x = self._tensors(batch)
+            logp, logits = self._logprobs(x["ids"], x["attention"])
+            ref = None
+            if c.kl_coef:
+                with torch.no_grad(), self.model.disable_adapter():
+                    ref, _ = self._logprobs(x["ids"], x["attention"])
+            out = policy_loss(
+                logp,
+                x["old"],
+                x["adv"],
+                x["mask"],
+                clip_low=c.clip_low,
+                clip_high=c.clip_high,
+                aggregation=c.aggregation,
+                ref_logprobs=ref,
+                kl_coef=c.kl_coef,
+            )
+            batch_tokens = int(x["mask"].sum())
+            weight = (batch_tokens if per_token else len(batch)) / total
+            (out.loss * weight).backward()
+            sums["loss"] += float(out.loss.detach()) * weight
+            sums["kl"] += out.kl * batch_tokens
+            sums["clip_frac"] += out.clip_frac * batch_tokens
+            sums["entropy"] += entropy_from_logits(logits, x["mask"]) * batch_tokens
+            tokens += batch_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
+        self.optimizer.step()
+        self.version += 1
+        seconds = time.perf_counter() - started
+        return {
+            "train/loss": sums["loss"],
+            "train/kl": sums["kl"] / tokens,
+            "train/clip_frac": sums["clip_frac"] / tokens,
+            "train/entropy": sums["entropy"] / tokens,
+            "train/grad_norm": float(grad_norm),
+            "train/tokens_per_s": sum(
+                len(t.prompt_token_ids) + len(t.response_token_ids) for t in transitions
+            )
+            / seconds,
+        }
+
+    # ------------------------------------------------------------------ versions
+
+    def save(self, folder: str | Path) -> Path:
+        """The adapter in PEFT format plus the optimizer state, to serve or to resume from."""
+        folder = Path(folder)
+        self.model.save_pretrained(folder)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "version": self.version,
+                "rng": torch.get_rng_state(),
+            },
+            folder / STATE_FILE,
+        )
+        return folder
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def base_state(self) -> dict[str, torch.Tensor]:
+        return {
+            n: p.detach().clone() for n, p in self.model.named_parameters() if not p.requires_grad
+        }
