@@ -31,6 +31,15 @@ def test_discounted_credit_is_return_to_go():
     assert assign_credit([0.0, 0.5, 1.0], "discounted", gamma=1.0) == [1.5, 1.5, 1.0]
 
 
+def test_a_custom_credit_function_plugs_in():
+    def halve(rewards):
+        return [r / 2 for r in rewards]
+
+    assert assign_credit([1.0, 3.0], halve) == [0.5, 1.5]
+    with pytest.raises(InvalidInput):
+        assign_credit([1.0, 3.0], lambda rewards: [1.0])
+
+
 def test_credit_edge_cases():
     assert assign_credit([], "equal") == []
     assert assign_credit([2.0], "last") == [2.0]

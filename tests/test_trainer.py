@@ -83,6 +83,15 @@ def test_resume_from_a_saved_version_gives_the_same_next_step(tmp_path):
         assert torch.allclose(p, straight.lora_state()[name], atol=1e-6)
 
 
+def test_gradient_checkpointing_gives_the_same_update():
+    batch = transitions(6)
+    plain, checkpointed = LoRATrainer(config()), LoRATrainer(config(gradient_checkpointing=True))
+    a, b = plain.step(batch), checkpointed.step(batch)
+    assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+    for name, p in plain.lora_state().items():
+        assert torch.allclose(p, checkpointed.lora_state()[name], atol=1e-6)
+
+
 def test_kl_to_the_base_model_starts_at_zero_and_grows():
     trainer = LoRATrainer(config(kl_coef=0.1))
     assert trainer.step(transitions(4))["train/kl"] == pytest.approx(0.0, abs=1e-8)

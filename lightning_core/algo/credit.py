@@ -12,18 +12,25 @@ strategies:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from lightning_core.errors import InvalidInput
 
 CreditStrategy = Literal["equal", "discounted", "last"]
+# A strategy of one's own: per-step rewards of an episode in, per-action returns out.
+CreditFn = Callable[[Sequence[float]], list[float]]
 
 
 def assign_credit(
-    rewards: Sequence[float], strategy: CreditStrategy = "equal", gamma: float = 1.0
+    rewards: Sequence[float], strategy: CreditStrategy | CreditFn = "equal", gamma: float = 1.0
 ) -> list[float]:
     """The return credited to each action of one episode, from its per-step rewards."""
+    if callable(strategy):
+        returns = list(strategy(rewards))
+        if len(returns) != len(rewards):
+            raise InvalidInput(f"a credit function returned {len(returns)} for {len(rewards)}")
+        return returns
     if not 0.0 <= gamma <= 1.0:
         raise InvalidInput(f"gamma must be in [0, 1], got {gamma}")
     if not rewards:

@@ -1,0 +1,124 @@
+"""One LoRA update of SmolLM2-135M on a fixed batch: tokens/s, peak memory, and model FLOP
+utilisation against this machine's measured dense matmul speed in the same dtype.
+
+Batch: 32 transitions x 256 tokens (128 prompt + 128 response), random ids, seeded. The update
+is the trainer's own `step` (micro-batches of `--micro-batch-tokens`, accumulation, clipping,
+AdamW), timed after one warm-up step.
+
+MFU = achieved model FLOP/s / measured matmul FLOP/s, with model FLOPs per token = 4 * N for LoRA
+on a frozen base (forward 2N, backward through the activations 2N; the frozen weights get no
+gradient and the adapter's own FLOPs are negligible), 6 * N with gradient checkpointing (one
+more forward). N counts every parameter of the base model, embeddings included (SmolLM2 ties
+them with the output layer, which does run once per token).
+
+    python benchmarks/train_step.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from lightning_core.algo.config import TrainerConfig  # noqa: E402
+from lightning_core.algo.trainer import LoRATrainer  # noqa: E402
+from lightning_core.types import Transition  # noqa: E402
+
+
+def matmul_flops(
+    dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 10
+) -> float:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+def batch(rows: int, prompt: int, response: int, vocab: int) -> list[Transition]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        Transition(
+            rollout_id=f"ro-{i}",
+            step=0,
+            prompt_token_ids=torch.randint(3, vocab, (prompt,), generator=g).tolist(),
+            response_token_ids=torch.randint(3, vocab, (response,), generator=g).tolist(),
+            response_logprobs=[-5.0] * response,
+            advantage=1.0 if i % 2 else -1.0,
+        )
+        for i in range(rows)
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
+    args = parser.parse_args(argv)
+
+    trainer = LoRATrainer(
+        TrainerConfig(
+            model=args.model,
+            micro_batch_tokens=args.micro_batch_tokens,
+            gradient_checkpointing=args.checkpointing,
+        )
+    )
+    n_params = sum(p.numel() for p in trainer.model.get_base_model().parameters())
+    vocab = trainer.model.get_base_model().config.vocab_size
+    data = batch(args.rows, args.tokens // 2, args.tokens - args.tokens // 2, vocab)
+    tokens = args.rows * args.tokens
+    print(f"model {n_params / 1e6:.1f}M params, {trainer.dtype}, {trainer.device}", flush=True)
+
+    trainer.step(data)  # warm-up: allocator, oneDNN kernels, optimizer state
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.step(data)
+    seconds = (time.perf_counter() - t0) / args.steps
+    if trainer.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak_what = "GPU memory"
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak_what = "process RSS"
+
+    peak_flops = matmul_flops(trainer.dtype, trainer.device)
+    per_token = (6 if args.checkpointing else 4) * n_params
+    achieved = per_token * tokens / seconds
+    mfu = achieved / peak_flops
+    print()
+    print(
+        "| batch | seconds/step | tokens/s | peak memory | model TFLOP/s | matmul TFLOP/s | MFU |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| {args.rows} x {args.tokens} | {seconds:.1f} | {tokens / seconds:.0f} | "
+        f"{peak:.1f} GiB ({peak_what}) | {achieved / 1e12:.3f} | {peak_flops / 1e12:.3f} | "
+        f"{100 * mfu:.1f} % |"
+    )
+    formula = "6*N" if args.checkpointing else "4*N"
+    print(f"MFU = {formula} x tokens/s / matmul FLOP/s, N = {n_params} (base model, frozen)")
+    print(f"train_mfu: {mfu:.3f}")
+
+
+if __name__ == "__main__":
+    main()
