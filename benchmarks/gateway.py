@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -104,15 +103,6 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"{url} did not answer within {timeout} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 async def _latencies(
@@ -221,7 +211,7 @@ def part_one(requests: int) -> list[dict[str, Any]]:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         if gateway is not None:
             stop_serve(gateway)
-        _stop(fake)
+        stop_serve(fake)
 
 
 async def _claim(base: str) -> str:

@@ -67,3 +67,20 @@ def _train_tool_call(folder: Path, steps: int) -> None:
     if out[0, len(prompt) :].tolist() != target:
         raise RuntimeError(f"the tool-calling test model did not learn its call (loss {loss})")
     model.save_pretrained(folder)
+
+
+def scaled_tiny_model(folder: Path, factor: float) -> Path:
+    """The tiny model with its weight matrices scaled by `factor`.
+
+    As initialised, its next-token distribution is almost flat; scaled, it has clear favourites
+    (x10: greedy steps pick different tokens with a clear margin; x20: top tokens at about 0.2,
+    0.07, 0.04), which tests of decoding and of learning need.
+    """
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir())
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(factor)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir()).save_pretrained(folder)
+    return folder

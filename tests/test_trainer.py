@@ -11,6 +11,7 @@ from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.errors import InvalidInput
 from lightning_core.models import tiny_model_dir
 from lightning_core.types import Transition
+from tests.models import scaled_tiny_model
 
 
 def transitions(seed: int, n: int = 6) -> list[Transition]:
@@ -108,26 +109,12 @@ def test_bad_batches_are_refused():
         trainer.step([])
 
 
-def sharpened_tiny_model(folder) -> str:
-    """The tiny model with its weights scaled x20: its next-token distribution is no longer
-    flat (top tokens at about 0.2, 0.07, 0.04), so a bandit on it has a baseline to rise from."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir())
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                parameter.mul_(20)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_model_dir()).save_pretrained(folder)
-    return str(folder)
-
-
 def test_the_policy_learns_a_toy_bandit(tmp_path):
     """Reward 1 when the sampled answer starts with a chosen token: the mean reward rises from
     its baseline to >= 0.8 within a bounded number of updates (seeded)."""
     torch.manual_seed(0)
-    model = sharpened_tiny_model(tmp_path / "sharp")
+    # Scaled x20 so that its next-token distribution is not flat: a baseline to rise from.
+    model = str(scaled_tiny_model(tmp_path / "sharp", 20))
     trainer = LoRATrainer(config(model=model, learning_rate=5e-3, lora={"rank": 8, "alpha": 32}))
     prompt = [1, 520, 9531, 198]
     with torch.no_grad():

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_core.backends.base import Backend, GenerationRequest, SamplingParams
 from lightning_core.backends.transformers_backend import TransformersBackend
 from lightning_core.errors import InvalidInput, NotFound
-from lightning_core.models import tiny_model_dir
+from tests.models import scaled_tiny_model
 
 # A broken engine shows up as a request that never finishes: fail fast instead.
 pytestmark = pytest.mark.timeout(60)
@@ -32,15 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     which cannot tell a right answer from a wrong one; scaled, every step picks a different
     token with a clear margin (top-2 gap above 0.02, far above float error).
     """
-    folder = tmp_path_factory.mktemp("tiny-varied")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir())
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                parameter.mul_(10)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_model_dir()).save_pretrained(folder)
-    return folder
+    return scaled_tiny_model(tmp_path_factory.mktemp("tiny-varied"), 10)
 
 
 @pytest.fixture(scope="module")

@@ -227,12 +227,11 @@ def policy_version_row(p: PolicyVersion) -> tuple[Any, ...]:
 JSON_FIELDS = frozenset({"input", "metadata", "attributes", "events", "resource"})
 
 
-def row_dict(columns: list[str], row: tuple[Any, ...], parse_json: bool = True) -> dict[str, Any]:
-    """A result row as a dict; JSON columns parsed, or left as text for a server to pass on."""
+def row_dict(columns: list[str], row: tuple[Any, ...]) -> dict[str, Any]:
+    """A result row as a dict, its JSON columns parsed."""
     out = dict(zip(columns, row, strict=True))
-    if parse_json:
-        for key in JSON_FIELDS.intersection(out):
-            if out[key] is not None:
-                out[key] = orjson.loads(out[key])
+    for key in JSON_FIELDS.intersection(out):
+        if out[key] is not None:
+            out[key] = orjson.loads(out[key])
     out.pop("log_seq", None)
     return out
