@@ -17,6 +17,9 @@ app = typer.Typer(
 )
 
 
+SERVER_KEEPALIVE_S = 30
+
+
 def _fail(exc: Exception) -> None:
     """Print a user error as one line, without a traceback, and exit non-zero."""
     typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
@@ -53,6 +56,10 @@ def serve(
     vllm_python: Annotated[
         str | None, typer.Option(help="With --backend vllm: Python of a vLLM environment.")
     ] = None,
+    tool_format: Annotated[
+        str | None,
+        typer.Option(help="Tools for templates without them: auto, hermes or line."),
+    ] = None,
 ) -> None:
     """Serve the store's HTTP API, its OTLP traces endpoint and the OpenAI-compatible gateway.
 
@@ -76,6 +83,7 @@ def serve(
         "model": model,
         "vllm_url": vllm_url,
         "vllm_python": vllm_python,
+        "tool_format": tool_format,
     }
     try:
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})
@@ -102,7 +110,13 @@ def serve(
     )
     try:
         uvicorn.run(
-            server_app, host=settings.host, port=settings.port, log_level=settings.log_level
+            server_app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            # Longer than clients keep idle connections (15 s in HttpStoreClient), so that a
+            # client never sends on a connection the server is closing.
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
         )
     except OSError as exc:
         _fail(LightningError(f"cannot listen on {settings.host}:{settings.port}: {exc}"))
@@ -120,7 +134,10 @@ def _gateway(settings, store):
         raise LightningError(f"cannot load model {settings.model!r}: {exc}") from exc
     if backend is None:
         return None
-    return Gateway(backend, store, GatewayConfig(default_max_tokens=settings.default_max_tokens))
+    config = GatewayConfig(
+        default_max_tokens=settings.default_max_tokens, tool_format=settings.tool_format
+    )
+    return Gateway(backend, store, config)
 
 
 @app.command()
@@ -150,6 +167,158 @@ def status(
     for name, n in sorted(counts.items()):
         typer.echo(f"{name:<12} {n}")
     typer.echo(f"{'total':<12} {sum(counts.values())}")
+
+
+@app.command()
+def analyze(
+    sql: Annotated[
+        str,
+        typer.Argument(
+            help="SQL over the views transitions (one row per LLM call), episodes (one per "
+            "rollout) and exported_rows (the Parquet files as written)."
+        ),
+    ],
+    root: Annotated[
+        str,
+        typer.Option(
+            envvar="LIGHTNING_RUN_DIR",
+            help="Training run folder holding transitions/iteration=<k>/part-0.parquet.",
+        ),
+    ] = "runs/latest",
+    output_format: Annotated[
+        str, typer.Option("--format", help="Output: table, csv or json.")
+    ] = "table",
+) -> None:
+    """Query a training run's exported transitions with DuckDB SQL."""
+    from pathlib import Path
+
+    from lightning_core import analytics
+
+    try:
+        fmt = analytics.OutputFormat(output_format)
+    except ValueError:
+        _fail(LightningError(f"unknown --format {output_format!r}; use table, csv or json"))
+    run = Path(root)
+    try:
+        if not run.is_dir():
+            raise LightningError(
+                f"run folder {run} does not exist; pass --root or set LIGHTNING_RUN_DIR"
+            )
+        if not analytics.exported_iterations(run):
+            raise LightningError(
+                f"no transitions exported under {run} yet: training writes "
+                "transitions/iteration=<k>/part-0.parquet after each iteration"
+            )
+        # In memory: a training flow may hold the run's analytics.duckdb open.
+        con = analytics.connect(run, ":memory:")
+        try:
+            frame = analytics.run_sql(con, sql)
+        finally:
+            con.close()
+    except LightningError as exc:
+        _fail(exc)
+    typer.echo(analytics.format_frame(frame, fmt), nl=False)
+
+
+@app.command()
+def runner(
+    agent: Annotated[
+        str,
+        typer.Option(
+            help="Agent to run: 'package.module:function' (imported from the current directory "
+            "or the installed packages), or an example agent's name such as 'calc'."
+        ),
+    ],
+    server: Annotated[
+        str, typer.Option(help="Root URL of the `lightning-rl serve` whose queue to work.")
+    ] = "http://127.0.0.1:4747",
+    concurrency: Annotated[
+        int | None, typer.Option(help="Attempts run at once (default 8).")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LIGHTNING_API_KEY", help="The server's API key.")
+    ] = None,
+    max_rollouts: Annotated[
+        int | None, typer.Option(help="Stop after this many attempts (default: until Ctrl-C).")
+    ] = None,
+    default_model: Annotated[
+        str | None,
+        typer.Option(help="Model for rollouts that name no policy version (default 'base')."),
+    ] = None,
+) -> None:
+    """Run an agent on the rollouts a server queues, shipping its spans back to the server.
+
+    Ctrl-C stops taking work and lets attempts in flight finish; a second Ctrl-C fails them, so
+    that the server requeues their rollouts at once.
+    """
+    import asyncio
+    import os
+
+    from pydantic import ValidationError
+
+    from lightning_core.agent_ref import load_agent
+    from lightning_core.runner import RunnerConfig
+
+    flags = {"concurrency": concurrency, "default_model": default_model}
+    try:
+        config = RunnerConfig(**{k: v for k, v in flags.items() if v is not None})
+        if max_rollouts is not None and max_rollouts < 1:
+            raise LightningError(f"--max-rollouts must be at least 1, got {max_rollouts}")
+        # Agents are found relative to the current directory, as uvicorn finds apps.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        agent_fn = load_agent(agent)
+        stats = asyncio.run(_run_agent(agent_fn, server, config, api_key, max_rollouts))
+    except ValidationError as exc:
+        _fail(LightningError(f"invalid setting: {exc}"))
+    except LightningError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:  # before the runner took over Ctrl-C: nothing was in flight
+        raise typer.Exit(130) from None
+    typer.echo(f"{stats.succeeded} succeeded, {stats.failed} failed", err=True)
+
+
+async def _run_agent(agent, server, config, api_key, max_rollouts):
+    import asyncio
+    import signal
+
+    from lightning_core.runner import AttemptResult, Runner
+    from lightning_core.store.client import HttpStoreClient
+
+    def report(result: AttemptResult) -> None:
+        outcome = f"reward {result.reward}" if result.error is None else result.error
+        typer.echo(
+            f"{result.rollout_id} attempt {result.sequence_id} {result.status.value} "
+            f"in {result.duration_s:.1f} s: {outcome}",
+            err=True,
+        )
+
+    client = HttpStoreClient(server, api_key=api_key)
+    try:
+        # Unreachable server or refused key: say so before taking any work.
+        await client.query_rollouts(limit=1)
+        worker = Runner(agent, client, server, config, api_key=api_key, on_attempt=report)
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop, max_rollouts))
+
+        def interrupt() -> None:
+            if stop.is_set():
+                task.cancel()
+                return
+            stop.set()
+            typer.echo("stopping: finishing attempts in flight (Ctrl-C again fails them)", err=True)
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, interrupt)
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+        return worker.stats
+    finally:
+        await client.close()
 
 
 def main() -> None:

@@ -56,6 +56,12 @@ class ServeSettings(BaseSettings):
     default_max_tokens: int = Field(
         512, ge=1, description="Completion length when a request sets no max_tokens."
     )
+    tool_format: Literal["auto", "hermes", "line"] = Field(
+        "auto",
+        description="Tool calling for chat templates without tools: hermes (<tool_call> JSON), "
+        "line (`NAME: input` lines, for very small models) or auto (the template's own, else "
+        "hermes).",
+    )
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(

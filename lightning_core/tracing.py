@@ -202,7 +202,10 @@ def instrument_frameworks(provider: TracerProvider) -> list[str]:
     """Enable the installed framework instrumentations; returns the ones enabled."""
     enabled = []
     for module, cls in _INSTRUMENTORS:
-        if importlib.util.find_spec(module.rsplit(".", 1)[0]) is None:
+        try:
+            if importlib.util.find_spec(module.rsplit(".", 1)[0]) is None:
+                continue
+        except ModuleNotFoundError:  # a parent package (openinference) is not installed at all
             continue
         try:
             instrumentor = getattr(importlib.import_module(module), cls)()

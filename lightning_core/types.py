@@ -227,3 +227,18 @@ class PolicyVersion(_Model):
     adapter_path: str | None = Field(None, description="PEFT adapter folder; None = base model.")
     created_at: float = Field(default_factory=now)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class LLMEndpoint(_Model):
+    """What an agent gets to reach the policy: any OpenAI-compatible client works with it."""
+
+    base_url: str = Field(description="OpenAI-compatible base URL, ending in /v1.")
+    model: str = Field(description="Model name to request: the policy version to use.")
+    api_key: str = Field(
+        "lightning", description="Bearer token (the server's API key; any value when it has none)."
+    )
+    sampling: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Sampling the algorithm asks for (temperature, top_p, max_tokens); an agent "
+        "passes these to its client where it can. Evaluation asks for temperature 0.",
+    )

@@ -416,3 +416,35 @@ async def test_cuda(model_dir, reference, prompts):
     finally:
         await exact.close()
         await fast.close()
+
+
+async def test_shared_prefixes_are_prefilled_once_and_change_nothing(
+    backend, reference, peft_reference, adapter_dir, prompts
+):
+    """Prompts that share a long prefix (an agent's system prompt) in one batch, later ones
+    reusing the cached prefix, different suffix lengths, base and adapter: greedy outputs and
+    logprobs as without any cache."""
+    prefix = prompts[1][:-1] * 2  # a long shared head, then different tails
+    tails = [prompts[0][:3], prompts[2], prompts[1][-2:], prompts[0]]
+    family = [prefix + tail for tail in tails]
+    before = backend.stats()["prefix_tokens_reused"]
+    together = await asyncio.gather(*(backend.generate(greedy(p, 12)) for p in family))
+    assert backend.stats()["prefix_tokens_reused"] > before
+    later = [await backend.generate(greedy(p, 12)) for p in family]
+    for prompt, [joint], [alone] in zip(family, together, later, strict=True):
+        expected = hf_greedy(reference, prompt, 12)
+        assert joint.token_ids == expected
+        assert alone.token_ids == expected
+        full = full_forward_logprobs(reference, prompt, expected, 1.0)
+        picked = full.gather(1, torch.tensor(expected)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(joint.logprobs), picked, atol=1e-4)
+
+    await backend.load_adapter("prefix-lora", str(adapter_dir))
+    try:
+        outs = await asyncio.gather(
+            *(backend.generate(greedy(p, 12, adapter="prefix-lora")) for p in family)
+        )
+        for prompt, [choice] in zip(family, outs, strict=True):
+            assert choice.token_ids == hf_greedy(peft_reference, prompt, 12)
+    finally:
+        await backend.unload_adapter("prefix-lora")

@@ -17,6 +17,12 @@ class LoRAConfig(BaseModel):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="Module names that get adapters (attention projections by default).",
     )
+    top_layers: int | None = Field(
+        None,
+        ge=1,
+        description="Adapt only the last N transformer layers; None adapts all. Backward then "
+        "stops below them, which makes a step much cheaper on CPU.",
+    )
 
 
 class TrainerConfig(BaseModel):

@@ -48,11 +48,14 @@ class LoRATrainer:
         if adapter is not None:
             self.model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
         else:
+            layers = base.config.num_hidden_layers
+            top = config.lora.top_layers
             lora = LoraConfig(
                 r=config.lora.rank,
                 lora_alpha=config.lora.alpha,
                 lora_dropout=config.lora.dropout,
                 target_modules=config.lora.target_modules,
+                layers_to_transform=list(range(layers - top, layers)) if top else None,
             )
             self.model = get_peft_model(base, lora)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -99,25 +102,33 @@ class LoRATrainer:
         rows = len(batch)
         ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
         attention = torch.zeros((rows, length), dtype=torch.long)
-        # Target position j predicts token j + 1: tensors over length - 1 positions.
-        mask = torch.zeros((rows, length - 1), dtype=self.dtype)
-        old = torch.zeros((rows, length - 1), dtype=torch.float32)
-        advantage = torch.zeros((rows, length - 1), dtype=torch.float32)
+        # Target position j predicts token j + 1. Only positions from the shortest prompt's last
+        # token on predict a response token: the per-target tensors start there, and so do the
+        # logits, since the LM head over a 49k vocabulary is a large share of a small model's
+        # compute and prompts are most of each row.
+        first = min(len(t.prompt_token_ids) for t in batch) - 1
+        width = length - 1 - first
+        mask = torch.zeros((rows, width), dtype=self.dtype)
+        old = torch.zeros((rows, width), dtype=torch.float32)
+        advantage = torch.zeros((rows, width), dtype=torch.float32)
         for i, t in enumerate(batch):
             seq = t.prompt_token_ids + t.response_token_ids
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
-            start, end = len(t.prompt_token_ids) - 1, len(seq) - 1
+            start, end = len(t.prompt_token_ids) - 1 - first, len(seq) - 1 - first
             mask[i, start:end] = 1
             old[i, start:end] = torch.tensor(t.response_logprobs, dtype=torch.float32)
             advantage[i, start:end] = float(t.advantage or 0.0)
         tensors = {"ids": ids, "attention": attention, "mask": mask, "old": old, "adv": advantage}
         return {k: v.to(self.device) for k, v in tensors.items()}
 
-    def _logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    def _logprobs(self, ids: torch.Tensor, attention: torch.Tensor, width: int) -> tuple[Any, Any]:
+        """Log-probabilities of the last `width` target tokens of each row (and their logits)."""
+        out = self.model(input_ids=ids, attention_mask=attention, logits_to_keep=width + 1)
+        logits = out.logits[:, :-1].float()
         logp = torch.log_softmax(logits, dim=-1)
-        return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1), logits
+        targets = ids[:, ids.shape[1] - width :]
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits
 
     # ------------------------------------------------------------------ the update
 
@@ -148,13 +159,18 @@ class LoRATrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         tokens = 0
-        for batch in self._micro_batches(transitions):
+        # Similar lengths together: less padding. The order does not change the summed gradient.
+        by_length = sorted(
+            transitions, key=lambda t: len(t.prompt_token_ids) + len(t.response_token_ids)
+        )
+        for batch in self._micro_batches(by_length):
             x = self._tensors(batch)
-            logp, logits = self._logprobs(x["ids"], x["attention"])
+            width = x["mask"].shape[1]
+            logp, logits = self._logprobs(x["ids"], x["attention"], width)
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
-                    ref, _ = self._logprobs(x["ids"], x["attention"])
+                    ref, _ = self._logprobs(x["ids"], x["attention"], width)
             out = policy_loss(
                 logp,
                 x["old"],

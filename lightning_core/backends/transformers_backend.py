@@ -24,7 +24,7 @@ import itertools
 import queue
 import random
 import threading
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -76,6 +76,16 @@ class TransformersBackendConfig(BaseModel):
     )
     threads: int | None = Field(
         None, ge=1, description="torch threads of the engine; None keeps torch's (one per core)."
+    )
+    prefix_cache_entries: int = Field(
+        8,
+        ge=0,
+        description="Prompt prefixes whose keys and values are kept for reuse (0: none). Agent "
+        "prompts share long prefixes (system prompt, tools, examples); prefilling only what "
+        "follows them cuts most of the prefill compute.",
+    )
+    min_prefix_tokens: int = Field(
+        16, ge=1, description="Shortest shared prefix worth a separate forward."
     )
     pack_weights: bool = Field(
         True,
@@ -214,6 +224,52 @@ class _KVCache:
         return cache
 
 
+def _common_length(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class _PrefixCache:
+    """Keys and values of recently prefilled prompt prefixes, by adapter, least recent out.
+
+    An entry's first k columns are the keys and values of its first k tokens whatever follows
+    them (attention is causal), so an entry serves any prompt that shares k tokens with it.
+    Adapters get a fresh id on every load, so an entry never outlives the weights it was
+    computed with.
+    """
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._items: OrderedDict[tuple[str | None, tuple[int, ...]], _KVCache] = OrderedDict()
+
+    def lookup(
+        self, adapter: str | None, prompt: list[int], limit: int
+    ) -> tuple[_KVCache, int] | None:
+        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens)."""
+        best: tuple[_KVCache, int] | None = None
+        best_key = None
+        for key, cache in self._items.items():
+            if key[0] != adapter:
+                continue
+            shared = min(_common_length(key[1], prompt), limit)
+            if best is None or shared > best[1]:
+                best, best_key = (cache, shared), key
+        if best_key is not None:
+            self._items.move_to_end(best_key)
+        return best
+
+    def store(self, adapter: str | None, tokens: list[int], cache: _KVCache) -> None:
+        if self.entries <= 0:
+            return
+        self._items[(adapter, tuple(tokens))] = cache
+        self._items.move_to_end((adapter, tuple(tokens)))
+        while len(self._items) > self.entries:
+            self._items.popitem(last=False)
+
+
 class _StopStrings:
     """Stop strings found in the incrementally decoded text of one completion.
 
@@ -346,6 +402,8 @@ class _Engine:
         self._prefilling: list[_Job] = []
         self._rows: list[_Sequence] = []
         self._cache: _KVCache | None = None
+        self._prefixes = _PrefixCache(config.prefix_cache_entries)
+        self.prefix_tokens_reused = 0  # prompt tokens not prefilled thanks to a shared prefix
         self._outbox: list[tuple[_Job, Any]] = []
         self.closed = False
         loaded: Future = Future()
@@ -567,8 +625,84 @@ class _Engine:
             rows, width = rows + n, max(width, length)
         return admitted
 
+    def _prefix(self, jobs: list[_Job]) -> tuple[_KVCache, int] | None:
+        """Keys and values of a prefix all `jobs` share (cached or computed now), if worth it."""
+        adapters = {job.adapter_id for job in jobs}
+        if self.config.prefix_cache_entries <= 0 or len(adapters) != 1:
+            return None
+        adapter = adapters.pop()
+        prompts = [job.request.prompt_token_ids for job in jobs]
+        # Every row keeps at least its last token to prefill: its logits give the first sample.
+        shared = min(len(p) for p in prompts) - 1
+        for prompt in prompts[1:]:
+            shared = min(shared, _common_length(prompts[0], prompt))
+        minimum = self.config.min_prefix_tokens
+        hit = self._prefixes.lookup(adapter, prompts[0], shared)
+        if hit is not None and hit[1] >= minimum:
+            return hit
+        if shared < minimum:
+            return None
+        device = self.device
+        ids = torch.tensor([prompts[0][:shared]], device=device)
+        columns = torch.arange(shared, device=device)
+        causal = columns[:, None] >= columns[None, :]
+        cache = _KVCache(rows=1, capacity=shared)
+        self._forward(ids, causal[None, None], columns[None], cache, [adapter])
+        cache.advance(shared)
+        self._prefixes.store(adapter, prompts[0][:shared], cache)
+        return cache, shared
+
+    def _prefill_after(
+        self, jobs: list[_Job], prefix: _KVCache, shared: int
+    ) -> tuple[torch.Tensor, _KVCache]:
+        """Prefill what follows a shared prefix; logits of each row's last token and the cache.
+
+        The suffixes are left-padded after the prefix columns, so each row's suffix already
+        ends right-aligned at the width; the prefix is then copied next to the suffix of each
+        padded row, so every row ends up contiguous, as the decode mask expects.
+        """
+        device = self.device
+        suffixes = [job.request.prompt_token_ids[shared:] for job in jobs]
+        longest = max(map(len, suffixes))
+        width = shared + longest
+        rows = len(jobs)
+        cache = _KVCache(rows=rows, capacity=width, width=shared)
+        for mine, theirs in ((cache.keys, prefix.keys), (cache.values, prefix.values)):
+            for buffer in theirs:
+                grown = buffer.new_zeros((rows, buffer.shape[1], width, buffer.shape[3]))
+                grown[:, :, :shared] = buffer[:1, :, :shared]
+                mine.append(grown)
+        pads = torch.tensor([longest - len(x) for x in suffixes], device=device)
+        input_ids = torch.tensor(
+            [[self.pad_id] * (longest - len(x)) + x for x in suffixes], device=device
+        )
+        steps = torch.arange(longest, device=device)
+        positions = shared + (steps[None, :] - pads[:, None]).clamp(min=0)
+        keys = torch.arange(width, device=device)
+        # Query j (column shared + j) sees the prefix and its own suffix up to itself; padding
+        # queries see the prefix, so no row is fully masked.
+        own = (keys[None, None, :] >= shared + pads[:, None, None]) & (
+            keys[None, None, :] <= shared + steps[None, :, None]
+        )
+        mask = own | (keys < shared)[None, None, :]
+        adapter = jobs[0].adapter_id
+        logits = self._forward(input_ids, mask[:, None], positions, cache, [adapter] * rows)
+        cache.advance(longest)
+        for row, pad in enumerate(pads.tolist()):
+            if pad:
+                for buffer, source in zip(
+                    (*cache.keys, *cache.values), (*prefix.keys, *prefix.values), strict=True
+                ):
+                    buffer[row, :, pad : pad + shared] = source[0, :, :shared]
+        return logits, cache
+
     def _prefill(self, jobs: list[_Job]) -> tuple[_KVCache, list[tuple[_Sequence, int]]]:
         """One forward over the admitted prompts; sample each completion's first token."""
+        prefix = self._prefix(jobs)
+        if prefix is not None:
+            self.prefix_tokens_reused += prefix[1] * len(jobs)
+            logits, cache = self._prefill_after(jobs, *prefix)
+            return cache, self._first_tokens(jobs, logits)
         prompts = [job.request.prompt_token_ids for job in jobs]
         width = max(map(len, prompts))
         device = self.device
@@ -588,6 +722,10 @@ class _Engine:
             input_ids, mask[:, None], positions, cache, [job.adapter_id for job in jobs]
         )
         cache.advance(width)
+        return cache, self._first_tokens(jobs, logits)
+
+    def _first_tokens(self, jobs: list[_Job], logits: torch.Tensor) -> list[tuple[_Sequence, int]]:
+        """Each completion's sequence, its first token sampled; those that go on decoding."""
         sequences: list[_Sequence] = []
         sources: list[int] = []
         for row, job in enumerate(jobs):
@@ -595,8 +733,7 @@ class _Engine:
                 sequences.append(self._new_sequence(job, index))
                 sources.append(row)
         self._sample(sequences, logits[sources])
-        joining = [(s, row) for s, row in zip(sequences, sources, strict=True) if not s.leaving]
-        return cache, joining
+        return [(s, row) for s, row in zip(sequences, sources, strict=True) if not s.leaving]
 
     def _new_sequence(self, job: _Job, index: int) -> _Sequence:
         params = job.request.params
@@ -912,11 +1049,13 @@ class TransformersBackend:
         return sorted(self._engine.adapter_ids)
 
     def stats(self) -> dict[str, int]:
-        """Sequences decoding now and requests waiting for a row (a snapshot, for metrics)."""
+        """Sequences decoding now, requests waiting for a row, and prompt tokens served from
+        shared prefixes (a snapshot, for metrics)."""
         engine = self._engine
         return {
             "running": sum(not s.leaving for s in list(engine._rows)),
             "waiting": len(engine._waiting),
+            "prefix_tokens_reused": engine.prefix_tokens_reused,
         }
 
     async def generate(self, request: GenerationRequest) -> list[Choice]:

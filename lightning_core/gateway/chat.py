@@ -8,13 +8,19 @@ and results are rendered in that convention too, so the model sees one consisten
 
 Parsing accepts the Hermes form with one call per tag, a JSON list of calls inside one tag (the
 form SmolLM2 was trained on), and either with "parameters" in place of "arguments".
+
+Very small models cannot write JSON calls at all (SmolLM2-135M: none well formed in our tries) but
+follow a one-line text protocol. The "line" format describes each tool as a keyword, the tool's
+name in capitals: a call is a line `CALC: 2 * (3 + 4)`, whose text after the colon is the tool's
+one argument (or a JSON object of its arguments when it takes several), and a result comes back
+as the user's turn `RESULT: 14`.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -28,6 +34,23 @@ _FALLBACK_TOOL_PROMPT = (
     '<tool_call>{{"name": <tool name>, "arguments": <arguments as a JSON object>}}</tool_call>\n'
     "and wait for its result. The tools, as JSON schemas:\n{tools}"
 )
+
+
+ToolFormat = Literal["auto", "hermes", "line"]
+RESULT_PREFIX = "RESULT:"
+
+_LINE_TOOL_PROMPT = (
+    "You can use these tools:\n{tools}\n"
+    "To use a tool, write one line with its name in capitals, a colon and its input, for "
+    "example `{example}: ...`, and nothing else; the result comes back as `RESULT: ...`."
+)
+
+
+def resolve_tool_format(tokenizer: Any, tool_format: ToolFormat) -> ToolFormat | None:
+    """The format to use: None when the chat template renders tools itself."""
+    if tool_format == "auto":
+        return None if template_supports_tools(tokenizer) else "hermes"
+    return tool_format
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -51,41 +74,81 @@ def _text(content: Any) -> str:
     return "".join(parts)
 
 
-def _hermes_call(call: dict[str, Any]) -> str:
-    function = call.get("function", {})
-    arguments = function.get("arguments", "{}")
+def _arguments(call: dict[str, Any]) -> Any:
+    arguments = call.get("function", {}).get("arguments", "{}")
     try:
-        parsed = orjson.loads(arguments) if isinstance(arguments, str) else arguments
+        return orjson.loads(arguments) if isinstance(arguments, str) else arguments
     except orjson.JSONDecodeError:
-        parsed = arguments
-    body = orjson.dumps({"name": function.get("name"), "arguments": parsed}).decode()
-    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+        return arguments
+
+
+def _hermes_call(call: dict[str, Any]) -> str:
+    name = call.get("function", {}).get("name")
+    body = orjson.dumps({"name": name, "arguments": _arguments(call)})
+    return f"{TOOL_CALL_OPEN}{body.decode()}{TOOL_CALL_CLOSE}"
+
+
+def _keyword(name: str) -> str:
+    return name.upper()
+
+
+def _line_call(call: dict[str, Any]) -> str:
+    arguments = _arguments(call)
+    if isinstance(arguments, dict) and len(arguments) == 1:
+        value = next(iter(arguments.values()))
+        text = value if isinstance(value, str) else orjson.dumps(value).decode()
+    else:
+        text = orjson.dumps(arguments).decode()
+    return f"{_keyword(call.get('function', {}).get('name', ''))}: {text}"
+
+
+def _line_tool(tool: dict[str, Any]) -> str:
+    function = tool.get("function", tool)
+    params = list(function.get("parameters", {}).get("properties", {}))
+    shape = f"<{params[0]}>" if len(params) == 1 else "<arguments as a JSON object>"
+    description = function.get("description")
+    return f"{_keyword(function['name'])}: {shape}" + (f"  ({description})" if description else "")
+
+
+def _tool_prompt(tools: list[dict[str, Any]], tool_format: ToolFormat) -> str:
+    if tool_format == "line":
+        return _LINE_TOOL_PROMPT.format(
+            tools="\n".join(_line_tool(t) for t in tools),
+            example=_keyword(tools[0].get("function", tools[0])["name"]),
+        )
+    schemas = "\n".join(orjson.dumps(t.get("function", t)).decode() for t in tools)
+    return _FALLBACK_TOOL_PROMPT.format(tools=schemas)
 
 
 def _fallback_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_format: ToolFormat
 ) -> list[dict[str, Any]]:
     """Messages for a template without tool support: tools in the system message, calls and
-    results as Hermes-style text."""
+    results as text in `tool_format`."""
+    write_call = _line_call if tool_format == "line" else _hermes_call
     out: list[dict[str, Any]] = []
     for m in messages:
         role, content = m["role"], _text(m.get("content"))
         if role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(_hermes_call(c) for c in m["tool_calls"])
+            calls = "\n".join(write_call(c) for c in m["tool_calls"])
             out.append(
                 {"role": "assistant", "content": "\n".join(x for x in (content, calls) if x)}
             )
         elif role == "tool":
             # Templates without tool support often reject a "tool" role: results come back as
             # the user's turn, marked so the model can tell them from a question.
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            result = (
+                f"{RESULT_PREFIX} {content}"
+                if tool_format == "line"
+                else f"<tool_response>\n{content}\n</tool_response>"
+            )
+            out.append({"role": "user", "content": result})
         elif role == "developer":
             out.append({"role": "system", "content": content})
         else:
             out.append({"role": role, "content": content})
     if tools:
-        schemas = "\n".join(orjson.dumps(t.get("function", t)).decode() for t in tools)
-        tool_prompt = _FALLBACK_TOOL_PROMPT.format(tools=schemas)
+        tool_prompt = _tool_prompt(tools, tool_format)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{tool_prompt}"}
         else:
@@ -97,13 +160,15 @@ def render_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    tool_format: ToolFormat = "auto",
 ) -> str:
     """The prompt text for `messages`, ending with the assistant's turn to speak."""
     if not messages:
         raise InvalidInput("messages must not be empty")
     if tokenizer.chat_template is None:
         raise InvalidInput("the model's tokenizer has no chat template; use /v1/completions")
-    if template_supports_tools(tokenizer):
+    tool_format = resolve_tool_format(tokenizer, tool_format)  # type: ignore[assignment]
+    if tool_format is None:
         normalised = [
             {**m, "content": _text(m.get("content"))} if "content" in m else m for m in messages
         ]
@@ -111,13 +176,23 @@ def render_chat(
             normalised, tools=tools or None, add_generation_prompt=True, tokenize=False
         )
     return tokenizer.apply_chat_template(
-        _fallback_messages(messages, tools), add_generation_prompt=True, tokenize=False
+        _fallback_messages(messages, tools, tool_format),
+        add_generation_prompt=True,
+        tokenize=False,
     )
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     # The template already wrote every special token; adding BOS again would change the prompt.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": orjson.dumps(arguments).decode()},
+    }
 
 
 def _calls_in(payload: Any) -> list[dict[str, Any]] | None:
@@ -133,22 +208,57 @@ def _calls_in(payload: Any) -> list[dict[str, Any]] | None:
                 arguments = orjson.loads(arguments)
             except orjson.JSONDecodeError:
                 return None
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": item["name"], "arguments": orjson.dumps(arguments).decode()},
-            }
-        )
+        calls.append(_openai_call(item["name"], arguments))
     return calls
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+_LINE = re.compile(r"^[ \t`*]*([A-Za-z_][\w.-]*)[ \t]*:[ \t]*(.*?)[ \t`]*$", re.MULTILINE)
+
+
+def _line_arguments(function: dict[str, Any], text: str) -> Any:
+    params = list(function.get("parameters", {}).get("properties", {}))
+    if len(params) == 1:
+        return {params[0]: text}
+    try:
+        parsed = orjson.loads(text or "{}")
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def parse_line_tool_call(
+    text: str, tools: list[dict[str, Any]]
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """The first `KEYWORD: input` line naming an offered tool, as one call.
+
+    What the model wrote after the call (often a made-up result) is dropped: the real result is
+    what comes back. Text before it stays as content.
+    """
+    by_keyword = {_keyword(t.get("function", t)["name"]): t.get("function", t) for t in tools}
+    for match in _LINE.finditer(text):
+        function = by_keyword.get(match.group(1).upper())
+        if function is None or not match.group(2):
+            continue
+        arguments = _line_arguments(function, match.group(2))
+        if arguments is None:
+            continue
+        content = text[: match.start()].strip()
+        return content or None, [_openai_call(function["name"], arguments)]
+    return text, []
+
+
+def parse_tool_calls(
+    text: str,
+    tools: list[dict[str, Any]] | None = None,
+    tool_format: ToolFormat | None = "hermes",
+) -> tuple[str | None, list[dict[str, Any]]]:
     """Split generated text into its plain content and OpenAI-shaped tool calls.
 
     Text inside a tag that is not a valid call stays in the content, so that nothing the model
     wrote is lost.
     """
+    if tool_format == "line":
+        return parse_line_tool_call(text, tools or [])
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0

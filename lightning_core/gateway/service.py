@@ -33,6 +33,12 @@ class GatewayConfig(BaseModel):
     default_max_tokens: int = Field(
         512, ge=1, description="Completion length when a request sets no max_tokens."
     )
+    tool_format: chat_format.ToolFormat = Field(
+        "auto",
+        description="How tools reach a chat template that does not render them: hermes "
+        "(<tool_call> JSON), line (`NAME: input` lines, for models too small to write JSON) or "
+        "auto (the template's own tool rendering when it has one, else hermes).",
+    )
     record_messages: bool = Field(
         True,
         description="Also store the chat messages and answers as text on each span "
@@ -66,9 +72,11 @@ class _IncrementalText:
     is sent as tool_calls at the end.
     """
 
-    def __init__(self, tokenizer: Any, hold_tool_calls: bool) -> None:
+    def __init__(self, tokenizer: Any, hold_tool_calls: bool, hold_all: bool = False) -> None:
         self._tokenizer = tokenizer
         self._hold = hold_tool_calls
+        # A line-format call can start on any line, so nothing is sent before the end.
+        self._hold_all = hold_tool_calls and hold_all
         self.token_ids: list[int] = []
         self.sent = 0
 
@@ -79,6 +87,8 @@ class _IncrementalText:
         self.token_ids.extend(token_ids)
         text = self.text()
         safe = len(text.rstrip("\ufffd"))
+        if self._hold_all:
+            return ""
         if self._hold:
             tag = text.find(chat_format.TOOL_CALL_OPEN)
             if tag >= 0:
@@ -213,20 +223,21 @@ class Gateway:
         adapter = await self._adapter_for(req.model)
         tools = req.offered_tools()
         prompt_ids = chat_format.encode(
-            self.tokenizer, chat_format.render_chat(self.tokenizer, req.messages, tools)
+            self.tokenizer,
+            chat_format.render_chat(self.tokenizer, req.messages, tools, self.config.tool_format),
         )
         params = req.sampling(self._max_tokens(req.token_limit()), req.top_logprobs or 0)
         request = GenerationRequest(
             prompt_token_ids=prompt_ids, params=params, n=req.n, adapter=adapter
         )
         if req.stream:
-            return self._chat_stream(req, ctx, request, tools is not None)
+            return self._chat_stream(req, ctx, request, tools)
         start = time.time()
         choices = await self.backend.generate(request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         out = []
         for i, choice in enumerate(choices):
-            message, finish = self._chat_message(choice.token_ids, tools is not None)
+            message, finish = self._chat_message(choice.token_ids, tools)
             out.append(
                 {
                     "index": i,
@@ -255,11 +266,17 @@ class Gateway:
             "usage": self._usage(len(prompt_ids), completion_tokens),
         }
 
-    def _chat_message(self, token_ids: list[int], tools: bool) -> tuple[dict[str, Any], str | None]:
+    @property
+    def _tool_format(self) -> chat_format.ToolFormat | None:
+        return chat_format.resolve_tool_format(self.tokenizer, self.config.tool_format)
+
+    def _chat_message(
+        self, token_ids: list[int], tools: list[dict[str, Any]] | None
+    ) -> tuple[dict[str, Any], str | None]:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tools:
-            content, calls = chat_format.parse_tool_calls(text)
+            content, calls = chat_format.parse_tool_calls(text, tools, self._tool_format)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 return message, "tool_calls"
@@ -346,7 +363,7 @@ class Gateway:
         req: ChatCompletionRequest,
         ctx: CallContext,
         request: GenerationRequest,
-        tools: bool,
+        tools: list[dict[str, Any]] | None,
     ) -> AsyncIterator[bytes]:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         start = time.time()
@@ -357,7 +374,10 @@ class Gateway:
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return _sse({**head, "choices": [choice]})
 
-        texts = [_IncrementalText(self.tokenizer, tools) for _ in range(req.n)]
+        hold_all = self._tool_format == "line"
+        texts = [
+            _IncrementalText(self.tokenizer, tools is not None, hold_all) for _ in range(req.n)
+        ]
         logprobs: list[list[float]] = [[] for _ in range(req.n)]
         tops: list[list] = [[] for _ in range(req.n)]
         finishes: list[str | None] = [None] * req.n
@@ -379,6 +399,8 @@ class Gateway:
                     finishes[i] = delta.finish_reason
                     message, tool_finish = self._chat_message(texts[i].token_ids, tools)
                     if tool_finish:
+                        if not texts[i].sent and message["content"]:
+                            yield chunk(i, {"content": message["content"]})
                         calls = [
                             {"index": k, **call} for k, call in enumerate(message["tool_calls"])
                         ]

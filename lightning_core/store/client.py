@@ -77,6 +77,10 @@ class _SpanBatcher:
                 future.set_result(len(spans))
 
 
+# Below `lightning-rl serve`'s keep-alive timeout (SERVER_KEEPALIVE_S in cli.py).
+KEEPALIVE_S = 15.0
+
+
 class HttpStoreClient:
     """LightningStore over HTTP; `url` is the server's root, e.g. http://127.0.0.1:4747."""
 
@@ -106,7 +110,11 @@ class HttpStoreClient:
                 base_url=self.url + "/",
                 headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self._timeout),
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                # Idle connections are dropped before the server's keep-alive (30 s) runs out:
+                # reusing one the server is closing fails with "Server disconnected".
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, keepalive_timeout=KEEPALIVE_S
+                ),
                 json_serialize=lambda x: orjson.dumps(x).decode(),
             )
         return self._session
@@ -263,6 +271,12 @@ class HttpStoreClient:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+    async def __aenter__(self) -> HttpStoreClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
 
 
 def _error_from(status: int, payload: bytes) -> LightningError:

@@ -1,0 +1,115 @@
+"""Arithmetic tasks for the calc agent, with fixed seeds and disjoint train and test splits.
+
+Sources:
+- `arithmetic` (generated here): questions with 2 or 3 small integer operands and mixed
+  operators, some with parentheses, phrased a few ways; every gold answer is an integer.
+- `basic_arithmetic` and `gsm_symbolic` from the `reasoning-gym` package. Its basic_arithmetic
+  gold answers are not always right (reasoning-gym 0.1.25), so each one is recomputed from the
+  item's expression with our calculator and the item is dropped when they disagree.
+
+A task is a plain dict `{"id", "question", "answer", "source"}`: the agent needs nothing else.
+Splits are made disjoint by question text: a test question never appears in train.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Literal
+
+from agents.calc.calculator import CalculatorError, evaluate
+
+Source = Literal["arithmetic", "basic_arithmetic", "gsm_symbolic"]
+Split = Literal["train", "test"]
+SOURCES: tuple[str, ...] = ("arithmetic", "basic_arithmetic", "gsm_symbolic")
+
+# Different seeds per split; the test split is also filtered against train's questions.
+_SEEDS = {"train": 1234, "test": 98765}
+_PHRASES = ("What is {e}?", "Calculate {e}.", "Compute {e}.", "What is the value of {e}?")
+
+
+def _generated_expression(rng: random.Random) -> str:
+    """2 or 3 operands; division only where it comes out even, so the answer is an integer."""
+    terms = rng.choice((2, 3, 3))
+    while True:
+        nums = [rng.randint(2, 60) for _ in range(terms)]
+        ops = [rng.choice("+-*") for _ in range(terms - 1)]
+        if terms == 2 and rng.random() < 0.25:
+            b = rng.randint(2, 12)
+            nums, ops = [b * rng.randint(2, 20), b], ["/"]
+        parts = [str(nums[0])]
+        for op, n in zip(ops, nums[1:], strict=True):
+            parts += [op, str(n)]
+        if terms == 3 and rng.random() < 0.4:
+            # Parentheses around the first or the last pair change the order of operations.
+            if rng.random() < 0.5:
+                parts = ["(", *parts[:3], ")", *parts[3:]]
+            else:
+                parts = [*parts[:2], "(", *parts[2:], ")"]
+        expression = " ".join(parts).replace("( ", "(").replace(" )", ")")
+        value = evaluate(expression)
+        if float(value).is_integer() and abs(value) < 10_000:
+            return expression
+
+
+def _arithmetic(split: Split, size: int) -> list[dict[str, Any]]:
+    rng = random.Random(_SEEDS[split])
+    tasks = []
+    for _ in range(size):
+        expression = _generated_expression(rng)
+        question = rng.choice(_PHRASES).format(e=expression)
+        tasks.append({"question": question, "answer": int(evaluate(expression))})
+    return tasks
+
+
+def _reasoning_gym(source: Source, split: Split, size: int) -> list[dict[str, Any]]:
+    import reasoning_gym
+
+    options: dict[str, Any] = {}
+    if source == "basic_arithmetic":
+        options = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+    # Ask for more than needed: some items are dropped below.
+    dataset = reasoning_gym.create_dataset(source, size=size * 2, seed=_SEEDS[split], **options)
+    tasks = []
+    for item in dataset:
+        answer = _number(item["answer"])
+        if answer is None:
+            continue
+        expression = item.get("metadata", {}).get("expression")
+        if source == "basic_arithmetic":
+            try:
+                if expression is None or abs(evaluate(expression) - answer) > 1e-9:
+                    continue
+            except CalculatorError:
+                continue
+        tasks.append({"question": item["question"], "answer": answer})
+        if len(tasks) == size:
+            break
+    return tasks
+
+
+def _number(text: Any) -> int | float | None:
+    try:
+        value = float(str(text).replace(",", ""))
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() else value
+
+
+def load_tasks(split: Split, size: int, source: Source = "arithmetic") -> list[dict[str, Any]]:
+    """`size` tasks of `source` for `split`, the same every time."""
+    if split not in _SEEDS:
+        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
+    if size < 1:
+        raise ValueError(f"size must be at least 1, not {size}")
+    make = _arithmetic if source == "arithmetic" else lambda s, n: _reasoning_gym(source, s, n)
+    if split == "train":
+        items = make("train", size)
+    else:
+        # Disjoint from any train set of up to 4x this size: drop questions train also has.
+        seen = {t["question"] for t in make("train", size * 4)}
+        items = [t for t in make("test", size * 2) if t["question"] not in seen][:size]
+    return [
+        {"id": f"{source}-{split}-{i}", **item, "source": source} for i, item in enumerate(items)
+    ]

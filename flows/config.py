@@ -1,0 +1,99 @@
+"""The training flow's configuration: one pydantic model, also the Prefect parameter schema.
+
+Defaults are the CPU demo: SmolLM2-135M on this machine's cores, the calc agent, about half an
+hour. On a GPU, raise `tasks_per_iteration`, `iterations` and the model size; the algorithm does
+not change.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from lightning_core.algo.config import LoRAConfig, TrainerConfig
+from lightning_core.collect import CreditConfig
+from tasks.registry import RegistryConfig
+
+
+def _demo_trainer() -> TrainerConfig:
+    # LoRA on the top 12 of SmolLM2's 30 layers: backward stops below them, so a step costs
+    # about half of a full one on CPU, and that is enough capacity to change how the agent
+    # uses its tool. 2e-4 is a usual LoRA learning rate (full fine-tuning rates are ~10x lower).
+    return TrainerConfig(learning_rate=2e-4, lora=LoRAConfig(rank=16, alpha=32.0, top_layers=12))
+
+
+class TrainConfig(BaseModel):
+    """One training run: N iterations of rollouts, credit assignment, analytics, a LoRA update
+    and, every `eval_every` iterations, a held-out evaluation; then registration."""
+
+    agent: str = Field("calc", description="Agent profile name (calc), or 'module:function'.")
+    tasks: str | None = Field(
+        None, description="Task loader 'module:function' for agents without a profile."
+    )
+    task_source: str | None = Field(
+        None,
+        description="Dataset of the agent's loader (calc: arithmetic, basic_arithmetic, "
+        "gsm_symbolic); None: the profile's default.",
+    )
+    iterations: int = Field(10, ge=1, description="Training iterations.")
+    tasks_per_iteration: int = Field(16, ge=1, description="Train tasks sampled per iteration.")
+    group_size: int = Field(
+        4, ge=1, description="Rollouts per task (G): the group whose mean is the baseline."
+    )
+    temperature: float = Field(
+        0.8, ge=0, description="Sampling temperature of training rollouts (evaluation is greedy)."
+    )
+    max_attempts: int = Field(2, ge=1, description="Attempts per rollout before it fails.")
+    rollout_timeout_s: float = Field(120.0, gt=0, description="Time budget of one attempt.")
+    rollout_workers: int = Field(
+        2, ge=1, description="Rollout tasks fanned out with .map per iteration (one per worker)."
+    )
+    rollout_concurrency: int = Field(16, ge=1, description="Agents each rollout task runs at once.")
+    task_runner: Literal["threads", "ray", "dask"] = Field(
+        "threads",
+        description="Where rollout tasks run: a thread pool here, or a Ray or Dask cluster "
+        "(pip install lightning-rl[cluster]; the server must then be reachable from it).",
+    )
+    task_runner_address: str | None = Field(
+        None, description="Ray address or Dask scheduler address; None starts a local one."
+    )
+    eval_every: int = Field(5, ge=1, description="Evaluate on the held-out split every E.")
+    eval_size: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
+    train_size: int = Field(2000, ge=1, description="Size of the train split sampled from.")
+    updates_per_iteration: int = Field(
+        1, ge=1, description="Optimizer updates per iteration (mini-batches of its transitions)."
+    )
+    model: str | None = Field(
+        None, description="Base model folder or hub id; None: SmolLM2-135M-Instruct; 'tiny'."
+    )
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Policy backend: transformers (CPU/GPU) or vllm (GPU)."
+    )
+    vllm_url: str | None = Field(None, description="With vllm: attach to this server.")
+    host: str = Field("127.0.0.1", description="Address the policy server binds.")
+    run_dir: str = Field("runs", description="Folder of run folders (store, adapters, exports).")
+    run_name: str | None = Field(
+        None, description="Run folder and policy version prefix; None: '<agent>-<timestamp>'."
+    )
+    train_agents: list[str] | None = Field(
+        None, description="Train only these agent names' calls; None: the profile's choice."
+    )
+    air_reward: float | None = Field(
+        None, description="Override the profile's tool-success AIR reward (0 turns AIR off)."
+    )
+    seed: int = Field(0, description="Seeds task sampling and the adapter's initialisation.")
+    trainer: TrainerConfig = Field(default_factory=_demo_trainer)
+    credit: CreditConfig = Field(default_factory=CreditConfig)
+    registry: RegistryConfig = Field(
+        default_factory=lambda: RegistryConfig(registered_model=""),
+        description="MLflow; an empty registered_model means the profile's.",
+    )
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,80}", value):
+            raise ValueError("run_name may hold letters, digits, '.', '_' and '-' only")
+        return value

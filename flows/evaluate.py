@@ -1,0 +1,103 @@
+"""The evaluation flow: a registered policy (the champion by default) on the held-out split.
+
+For recurring checks of what is served, and for `lightning-rl eval`: it downloads the adapter
+from the MLflow registry, serves it, runs the agent's benchmark greedily and records the score
+as an MLflow run of its own and a Prefect artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from lightning_core.errors import InvalidInput, NotFound
+from tasks import registry, report
+from tasks.evaluation import evaluate_policy
+from tasks.profiles import profile
+from tasks.server import policy_server
+from tasks.training import publish_policy
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate(
+    agent: str = "calc",
+    policy: str = "champion",
+    tasks: str | None = None,
+    task_source: str | None = None,
+    eval_size: int = 200,
+    model: str | None = None,
+    concurrency: int = 32,
+    rollout_timeout_s: float = 120.0,
+    run_dir: str = "runs",
+    registry_config: registry.RegistryConfig | None = None,
+) -> dict[str, Any]:
+    """Score `policy` on the agent's held-out split: 'base' (the base model), 'champion' or
+    another alias, or a registered model version number."""
+    log = get_run_logger()
+    if eval_size < 1:
+        raise InvalidInput(f"eval_size must be at least 1, not {eval_size}")
+    spec = profile(agent, tasks)
+    config = registry_config or registry.RegistryConfig(registered_model="")
+    if not config.registered_model:
+        config = config.model_copy(update={"registered_model": spec.registered_model})
+    test_tasks = spec.load_tasks("test", eval_size, task_source)
+    root = Path(run_dir).resolve() / f"eval-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    root.mkdir(parents=True, exist_ok=True)
+
+    found = None
+    if policy != "base":
+        found = registry.champion_adapter(config, policy, dst=root / "adapter")
+        if found is None:
+            raise NotFound(
+                f"registered model {config.registered_model!r} has no version {policy!r}: "
+                "train one first (lightning-rl train), or evaluate 'base'"
+            )
+    with policy_server(root / "store.duckdb", model=model, tool_format=spec.tool_format) as server:
+        name = server.base_model
+        if found is not None:
+            name = publish_policy(
+                server.url,
+                f"{config.registered_model}-v{found.version}",
+                name,
+                str(found.adapter),
+                0,
+            )
+        result = evaluate_policy(
+            server.url,
+            spec.agent,
+            test_tasks,
+            name,
+            concurrency=concurrency,
+            rollout_timeout_s=rollout_timeout_s,
+            success_threshold=spec.success_threshold,
+            run_dir=str(root),
+        )
+    log.info("held-out: %s", result.summary())
+    with registry.tracking(
+        config, run_name=root.name, tags={"agent": spec.name, "kind": "evaluation"}
+    ) as run:
+        registry.log_params(
+            {"policy": policy, "version": found.version if found else "base", "tasks": eval_size},
+            run_id=run.info.run_id,
+        )
+        registry.log_metrics(result.metrics(), step=0, run_id=run.info.run_id)
+    summary = {
+        "agent": spec.name,
+        "policy": policy,
+        "version": found.version if found else None,
+        "registered_score": found.score if found else None,
+        **result.model_dump(),
+    }
+    (root / "summary.json").write_text(json.dumps(summary, indent=2))
+    create_markdown_artifact(
+        f"# {spec.name}: {policy}\n\n{result.summary()}\n\n"
+        f"Registered score: {found.score if found else 'n/a'}",
+        key=report.artifact_key(spec.name, "evaluation"),
+        description=f"Held-out evaluation of {policy}",
+    )
+    return summary

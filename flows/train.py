@@ -1,0 +1,344 @@
+"""The training flow: iterations of rollouts, credit assignment, analytics, a LoRA update and
+evaluation, then MLflow registration with a gated promotion.
+
+    serve      store + OpenAI-compatible gateway + backend (a child process)
+    evaluate   the base model on the held-out split (iteration 0)
+    each iteration k = 1..N
+      plan       sample tasks, G rollouts each on the current policy
+      rollout    run-rollouts.map over workers (threads, Ray or Dask)
+      collect    spans -> transitions, LightningRL credit, group advantages (stored)
+      analyze    Parquet export + DuckDB metrics (MLflow, Prefect table)
+      train      LoRA policy-gradient update (global concurrency limit "gpu")
+      publish    adapter k registered as policy version <run>-v<k>; the next rollouts use it
+      evaluate   every E iterations and at the end
+    register   MLflow model version (challenger); champion only if it beats the champion
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task, unmapped
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.config import TrainConfig
+from lightning_core import analytics, semconv
+from lightning_core.adapter import AdapterConfig
+from lightning_core.algo.config import TrainerConfig
+from lightning_core.algo.trainer import LoRATrainer
+from lightning_core.collect import CreditConfig
+from lightning_core.evaluation import EvalResult
+from lightning_core.rewards import AIRRule
+from tasks import progress, registry, report
+from tasks.analysis import analyze_iteration
+from tasks.evaluation import evaluate_policy
+from tasks.profiles import AgentProfile, profile
+from tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts, sample_tasks
+from tasks.server import PolicyServer, policy_server
+from tasks.training import publish_policy, train_policy
+
+_D = TrainConfig()
+
+
+def _task_runner(config: TrainConfig) -> Any:
+    """The task runner the rollout fan-out uses."""
+    if config.task_runner == "ray":
+        from prefect_ray import RayTaskRunner
+
+        return RayTaskRunner(address=config.task_runner_address)
+    if config.task_runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        return DaskTaskRunner(address=config.task_runner_address)
+    return ThreadPoolTaskRunner(max_workers=config.rollout_workers)
+
+
+def _fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, int]]:
+    """run-rollouts mapped over the workers, on the configured task runner."""
+    if config.task_runner == "threads":
+        futures = run_rollouts.map(**parameters)
+        return [f.result() for f in futures]
+    with _task_runner(config) as runner:
+        futures = runner.map(run_rollouts, parameters)
+        return [f.result() for f in futures]
+
+
+def _run_folder(config: TrainConfig, agent: AgentProfile) -> tuple[str, Path]:
+    name = config.run_name or f"{agent.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    root = Path(config.run_dir).resolve() / name
+    root.mkdir(parents=True, exist_ok=True)
+    # runs/latest: where `lightning-rl analyze` looks by default.
+    latest = root.parent / "latest"
+    tmp = root.parent / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(root.name)
+    os.replace(tmp, latest)
+    return name, root
+
+
+def _air(agent: AgentProfile, config: TrainConfig) -> list[AIRRule]:
+    if config.air_reward is None:
+        return agent.air
+    if config.air_reward == 0:
+        return []
+    return [AIRRule(name=semconv.TOOL_SPAN, outcome="success", reward=config.air_reward)]
+
+
+@task(name="register-policy", cache_policy=NO_CACHE)
+def register_policy(
+    config: registry.RegistryConfig,
+    adapter_dir: str,
+    base_model: str,
+    policy_version: str,
+    iteration: int,
+    score: float,
+    run_id: str,
+) -> registry.PromotionDecision:
+    """New registered model version (alias challenger); champion moves only past the gate.
+    No retries: a retry would register a second version."""
+    return registry.publish_adapter(
+        config,
+        adapter_dir,
+        base_model=base_model,
+        policy_version=policy_version,
+        iteration=iteration,
+        score=score,
+        run_id=run_id,
+    )
+
+
+def _evaluate(
+    config: TrainConfig,
+    agent: AgentProfile,
+    server: PolicyServer,
+    tasks: list[dict[str, Any]],
+    policy: str,
+    root: Path,
+) -> EvalResult:
+    return evaluate_policy(
+        server.url,
+        agent.agent,
+        tasks,
+        policy,
+        concurrency=config.rollout_workers * config.rollout_concurrency,
+        rollout_timeout_s=config.rollout_timeout_s,
+        success_threshold=agent.success_threshold,
+        run_dir=str(root),
+    )
+
+
+def run_training(config: TrainConfig) -> dict[str, Any]:
+    """The flow's body, for a validated config."""
+    log = get_run_logger()
+    agent = profile(config.agent, config.tasks)
+    run_name, root = _run_folder(config, agent)
+    (root / "config.json").write_text(config.model_dump_json(indent=2))
+    train_tasks = agent.load_tasks("train", config.train_size, config.task_source)
+    test_tasks = agent.load_tasks("test", config.eval_size, config.task_source)
+    registry_config = config.registry
+    if not registry_config.registered_model:
+        registry_config = registry_config.model_copy(
+            update={"registered_model": agent.registered_model}
+        )
+    adapter = AdapterConfig(
+        agents=config.train_agents or agent.train_agents, air=_air(agent, config)
+    )
+    credit: CreditConfig = config.credit.model_copy(
+        update={"success_threshold": agent.success_threshold}
+    )
+    trainer_config: TrainerConfig = config.trainer.model_copy(
+        update={"model": config.model, "seed": config.seed}
+    )
+    started = time.time()
+    progress.report(root, "start", run=run_name, iterations=config.iterations)
+    log.info(
+        "run %s in %s: %d train / %d test tasks", run_name, root, len(train_tasks), len(test_tasks)
+    )
+
+    with (
+        policy_server(
+            root / "store.duckdb",
+            host=config.host,
+            backend=config.backend,
+            model=config.model,
+            tool_format=agent.tool_format,
+            vllm_url=config.vllm_url,
+        ) as server,
+        registry.tracking(registry_config, run_name=run_name, tags={"agent": agent.name}) as ml,
+    ):
+        run_id = ml.info.run_id
+        registry.log_params(
+            {
+                **config.model_dump(mode="json"),
+                "registered_model": registry_config.registered_model,
+            },
+            run_id=run_id,
+        )
+        log.info(
+            "policy server %s serving %s (log: %s)", server.url, server.base_model, server.log_path
+        )
+
+        evals: list[tuple[int, EvalResult]] = []
+        base = _evaluate(config, agent, server, test_tasks, server.base_model, root)
+        evals.append((0, base))
+        registry.log_metrics(base.metrics(), step=0, run_id=run_id)
+        progress.report(root, "evaluated", iteration=0, **base.model_dump())
+        log.info("base model: %s", base.summary())
+
+        trainer = LoRATrainer(trainer_config)
+        policy, adapter_dir = server.base_model, ""
+        for it in range(1, config.iterations + 1):
+            progress.report(root, "iteration", iteration=it, policy=policy)
+            chosen = sample_tasks(train_tasks, config.tasks_per_iteration, config.seed, it)
+            rollout_ids = plan_rollouts(
+                server.url,
+                chosen,
+                config.group_size,
+                policy,
+                f"{run_name}-it{it}",
+                {"temperature": config.temperature},
+                config.max_attempts,
+            )
+            _fan_out(
+                config,
+                {
+                    "worker": list(range(config.rollout_workers)),
+                    "server_url": unmapped(server.url),
+                    "agent": unmapped(agent.agent),
+                    "rollout_ids": unmapped(rollout_ids),
+                    "concurrency": unmapped(config.rollout_concurrency),
+                    "rollout_timeout_s": unmapped(config.rollout_timeout_s),
+                    "default_model": unmapped(policy),
+                    "run_dir": unmapped(str(root)),
+                },
+            )
+            collected = collect_transitions(server.url, rollout_ids, adapter, credit)
+            analysis = analyze_iteration(
+                str(root),
+                it,
+                collected,
+                artifact_key=report.artifact_key(agent.name, "agent-breakdown"),
+            )
+            progress.report(root, "training", iteration=it, transitions=len(collected.trainable))
+            adapter_dir = str(root / "adapters" / f"v{it}")
+            trained = train_policy(
+                trainer,
+                collected.transitions,
+                adapter_dir,
+                config.updates_per_iteration,
+                config.seed + it,
+            )
+            policy = publish_policy(
+                server.url, f"{run_name}-v{it}", server.base_model, adapter_dir, it
+            )
+            metrics = {**analysis["metrics"], **trained}
+            registry.log_metrics(metrics, step=it, run_id=run_id)
+            progress.report(root, "iterated", iteration=it, policy=policy, **metrics)
+            log.info(
+                "iteration %d: reward %.3f, success %.3f, %d transitions trained -> %s",
+                it,
+                metrics.get("rollout/reward_mean", float("nan")),
+                metrics.get("rollout/success_rate", float("nan")),
+                int(trained["train/transitions"]),
+                policy,
+            )
+            if it % config.eval_every == 0 or it == config.iterations:
+                result = _evaluate(config, agent, server, test_tasks, policy, root)
+                evals.append((it, result))
+                registry.log_metrics(result.metrics(), step=it, run_id=run_id)
+                progress.report(root, "evaluated", iteration=it, **result.model_dump())
+                log.info("held-out after iteration %d: %s", it, result.summary())
+
+        final = evals[-1][1]
+        decision = register_policy(
+            registry_config,
+            adapter_dir,
+            config.model or "smollm2",
+            policy,
+            config.iterations,
+            final.accuracy,
+            run_id,
+        )
+        log.info("registry: %s", decision.reason)
+
+        con = analytics.connect(root, ":memory:")
+        try:
+            history = analytics.history(con)
+        finally:
+            con.close()
+        title = f"{agent.name}: {run_name}"
+        curve = report.reward_curve(history, evals, root / "reward_curve.png", title)
+        registry.log_artifact(curve, run_id=run_id)
+        summary = {
+            "run": run_name,
+            "run_dir": str(root),
+            "agent": agent.name,
+            "iterations": config.iterations,
+            "base": base.model_dump(),
+            "final": final.model_dump(),
+            "gain_points": round((final.accuracy - base.accuracy) * 100, 1),
+            "policy_version": policy,
+            "adapter": adapter_dir,
+            "promotion": decision.model_dump(),
+            "reward_curve": str(curve),
+            "minutes": round((time.time() - started) / 60, 1),
+            "mlflow_run_id": run_id,
+        }
+        create_markdown_artifact(
+            report.markdown(title, history, evals, curve, decision.reason, extra=summary),
+            key=report.artifact_key(agent.name, "training-report"),
+            description=f"Training report of {run_name}",
+        )
+        create_table_artifact(
+            [{"iteration": i, **e.model_dump()} for i, e in evals],
+            key=report.artifact_key(agent.name, "heldout"),
+            description="Held-out accuracy per evaluation",
+        )
+    (root / "summary.json").write_text(json.dumps(summary, indent=2))
+    progress.report(root, "done", **{k: v for k, v in summary.items() if k != "promotion"})
+    return summary
+
+
+@flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
+def train(
+    agent: str = _D.agent,
+    tasks: str | None = _D.tasks,
+    task_source: str | None = _D.task_source,
+    iterations: int = _D.iterations,
+    tasks_per_iteration: int = _D.tasks_per_iteration,
+    group_size: int = _D.group_size,
+    temperature: float = _D.temperature,
+    max_attempts: int = _D.max_attempts,
+    rollout_timeout_s: float = _D.rollout_timeout_s,
+    rollout_workers: int = _D.rollout_workers,
+    rollout_concurrency: int = _D.rollout_concurrency,
+    task_runner: str = _D.task_runner,
+    task_runner_address: str | None = _D.task_runner_address,
+    eval_every: int = _D.eval_every,
+    eval_size: int = _D.eval_size,
+    train_size: int = _D.train_size,
+    updates_per_iteration: int = _D.updates_per_iteration,
+    model: str | None = _D.model,
+    backend: str = _D.backend,
+    vllm_url: str | None = _D.vllm_url,
+    host: str = _D.host,
+    run_dir: str = _D.run_dir,
+    run_name: str | None = _D.run_name,
+    train_agents: list[str] | None = _D.train_agents,
+    air_reward: float | None = _D.air_reward,
+    seed: int = _D.seed,
+    trainer: TrainerConfig = _D.trainer,
+    credit: CreditConfig = _D.credit,
+    registry_config: registry.RegistryConfig = _D.registry,
+) -> dict[str, Any]:
+    """Train an agent's policy with LightningRL; every parameter is a field of TrainConfig
+    (flows/config.py), where each is described."""
+    params = dict(locals())
+    params["registry"] = params.pop("registry_config")
+    return run_training(TrainConfig.model_validate(params))

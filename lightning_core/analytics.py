@@ -1,0 +1,444 @@
+"""Analytics of a training run's transitions: per-iteration Parquet exports queried with DuckDB.
+
+After each iteration the training flow writes every transition of the iteration to
+`<root>/transitions/iteration=<k>/part-0.parquet` (hive partitioning). The store's own DuckDB
+file belongs to the store's process, so analytics never touch it: they read these exports, which
+any Parquet reader (and later an object store) can serve.
+
+One row per transition, with the facts of its rollout (group, task, episode return, success, tool
+calls and errors) repeated on every row of the rollout, so that one file holds an iteration;
+episode-level numbers must therefore count each rollout once (the `episodes` view does: one row
+per rollout_id). A rollout that produced no transition (its agent failed before calling the LLM)
+still counts for the success rate: it is exported as one placeholder row with step -1, zero
+tokens, reward 0 and a NULL advantage. The `transitions` view leaves placeholders out; the
+`exported_rows` view shows the files as written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import duckdb
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lightning_core.errors import InvalidInput, NotFound
+from lightning_core.types import FiniteFloat, Transition
+
+# The step of the single row that stands for a rollout without any transition.
+PLACEHOLDER_STEP = -1
+PART_FILE = "part-0.parquet"
+DEFAULT_DATABASE = "analytics.duckdb"
+
+
+class Column(NamedTuple):
+    name: str
+    sql_type: str
+    arrow_type: pa.DataType
+    nullable: bool
+    description: str
+
+
+# The Parquet schema of an export, in file order; the single source of the files' types, the
+# views' types and the validation of rows.
+COLUMNS: tuple[Column, ...] = (
+    Column("iteration", "INTEGER", pa.int32(), False, "Training iteration (also the partition)."),
+    Column("rollout_id", "VARCHAR", pa.string(), False, "Rollout the transition belongs to."),
+    Column("attempt_id", "VARCHAR", pa.string(), True, "Attempt that produced it."),
+    Column("group_id", "VARCHAR", pa.string(), True, "Group sharing a baseline (GRPO)."),
+    Column("task_id", "VARCHAR", pa.string(), True, "Dataset task of the rollout."),
+    Column("step", "INTEGER", pa.int32(), False, "Order of the LLM call, from 0; -1: placeholder."),
+    Column("agent_name", "VARCHAR", pa.string(), True, "Agent that made the call."),
+    Column("prompt_tokens", "INTEGER", pa.int32(), False, "Prompt length in tokens."),
+    Column("response_tokens", "INTEGER", pa.int32(), False, "Response length in tokens."),
+    Column("reward", "DOUBLE", pa.float64(), False, "Reward the action earned right after it."),
+    Column("advantage", "DOUBLE", pa.float64(), True, "Advantage trained on; NULL: none."),
+    Column("episode_return", "DOUBLE", pa.float64(), False, "Final reward of the rollout."),
+    Column("success", "BOOLEAN", pa.bool_(), False, "Rollout met the caller's success threshold."),
+    Column("tool_calls", "INTEGER", pa.int32(), False, "Tool calls made in the rollout."),
+    Column("tool_errors", "INTEGER", pa.int32(), False, "Tool calls of the rollout that failed."),
+    Column("policy_version", "VARCHAR", pa.string(), True, "Policy version that answered."),
+)
+COLUMN_NAMES = tuple(c.name for c in COLUMNS)
+ARROW_SCHEMA = pa.schema([pa.field(c.name, c.arrow_type, nullable=c.nullable) for c in COLUMNS])
+# Facts of the rollout, repeated on each of its rows: they must agree within a rollout.
+ROLLOUT_COLUMNS = (
+    "group_id",
+    "task_id",
+    "episode_return",
+    "success",
+    "tool_calls",
+    "tool_errors",
+)
+
+
+class RolloutFacts(BaseModel):
+    """What the caller knows of one rollout of the iteration, beyond its transitions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: str | None = Field(None, description="Group sharing a baseline (GRPO).")
+    task_id: str | None = Field(None, description="Dataset task of the rollout.")
+    episode_return: FiniteFloat = Field(description="Final reward of the rollout.")
+    success: bool = Field(
+        description="Whether the rollout succeeded; the caller picks the threshold on the return."
+    )
+    tool_calls: int = Field(0, ge=0, description="Tool calls made in the rollout.")
+    tool_errors: int = Field(0, ge=0, description="Tool calls of the rollout that failed.")
+    attempt_id: str | None = Field(
+        None, description="Attempt that ran; fills the placeholder row of a rollout without calls."
+    )
+    policy_version: str | None = Field(
+        None, description="Policy version the rollout used, where a transition does not say."
+    )
+
+    @model_validator(mode="after")
+    def _errors_are_calls(self) -> RolloutFacts:
+        if self.tool_errors > self.tool_calls:
+            raise ValueError(f"tool_errors ({self.tool_errors}) exceed tool_calls")
+        return self
+
+
+def transition_rows(
+    transitions: Iterable[Transition],
+    facts: Mapping[str, RolloutFacts | Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    """Export rows of an iteration: its transitions, plus a placeholder per rollout without any.
+
+    `facts` maps every rollout_id of the iteration to its RolloutFacts (or a dict of them);
+    the iteration column is filled in by `export_iteration`.
+    """
+    by_rollout: dict[str, list[Transition]] = {rollout_id: [] for rollout_id in facts}
+    for t in transitions:
+        if t.rollout_id not in by_rollout:
+            raise InvalidInput(
+                f"transition of rollout {t.rollout_id!r} has no facts: pass RolloutFacts for "
+                "every rollout of the iteration"
+            )
+        by_rollout[t.rollout_id].append(t)
+    rows: list[dict[str, Any]] = []
+    for rollout_id, calls in by_rollout.items():
+        try:
+            f = RolloutFacts.model_validate(facts[rollout_id])
+        except ValidationError as exc:
+            raise InvalidInput(f"facts of rollout {rollout_id!r}: {exc}") from exc
+        shared = f.model_dump(include=set(ROLLOUT_COLUMNS)) | {"rollout_id": rollout_id}
+        if not calls:
+            rows.append(
+                shared
+                | {
+                    "attempt_id": f.attempt_id,
+                    "step": PLACEHOLDER_STEP,
+                    "agent_name": None,
+                    "prompt_tokens": 0,
+                    "response_tokens": 0,
+                    "reward": 0.0,
+                    "advantage": None,
+                    "policy_version": f.policy_version,
+                }
+            )
+        for t in sorted(calls, key=lambda t: t.step):
+            rows.append(
+                shared
+                | {
+                    "attempt_id": t.attempt_id,
+                    "step": t.step,
+                    "agent_name": t.agent_name,
+                    "prompt_tokens": len(t.prompt_token_ids),
+                    "response_tokens": len(t.response_token_ids),
+                    "reward": t.reward,
+                    "advantage": t.advantage,
+                    "policy_version": t.policy_version or f.policy_version,
+                }
+            )
+    return rows
+
+
+# Numbers are cast before the checks that compare them; booleans are left to Arrow, which refuses
+# what is not one (a cast to bool would call any non-empty string true).
+_NUMPY_TYPES = {"INTEGER": "int64", "DOUBLE": "float64"}
+
+
+def _validate(frame: pd.DataFrame, iteration: int) -> pd.DataFrame:
+    given = set(frame.columns)
+    missing = [c for c in COLUMN_NAMES if c not in given and c != "iteration"]
+    if missing:
+        raise InvalidInput(
+            f"export rows lack columns {', '.join(missing)}; build them with transition_rows()"
+        )
+    unknown = sorted(given - set(COLUMN_NAMES))
+    if unknown:
+        # A typo'd column must not be dropped silently.
+        raise InvalidInput(f"export rows have unknown columns {', '.join(unknown)}")
+    if "iteration" in given and (frame["iteration"] != iteration).any():
+        raise InvalidInput(f"rows of another iteration in the export of iteration {iteration}")
+    frame = frame.assign(iteration=iteration)[list(COLUMN_NAMES)]
+    for c in COLUMNS:
+        if not c.nullable and frame[c.name].isna().any():
+            raise InvalidInput(f"column {c.name} has empty values; it is required on every row")
+    numbers = {c.name: _NUMPY_TYPES[c.sql_type] for c in COLUMNS if c.sql_type in _NUMPY_TYPES}
+    try:
+        cast = frame.astype(numbers)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(
+            f"export rows of iteration {iteration} have a wrong type: {exc}"
+        ) from exc
+    # astype truncates 1.5 to 1 and parses "3": a count must already be a whole number.
+    counts = [c.name for c in COLUMNS if c.sql_type == "INTEGER"]
+    bent = [name for name in counts if (cast[name] != frame[name]).any()]
+    if bent:
+        raise InvalidInput(f"columns {', '.join(bent)} must hold whole numbers")
+    frame = cast
+    for name in ("prompt_tokens", "response_tokens", "tool_calls", "tool_errors"):
+        if (frame[name] < 0).any():
+            raise InvalidInput(f"column {name} has negative counts")
+    if (frame["step"] < PLACEHOLDER_STEP).any():
+        raise InvalidInput(f"column step must be >= 0, or {PLACEHOLDER_STEP} for a placeholder")
+    per_rollout = frame.groupby("rollout_id", sort=False)
+    facts_differ = per_rollout[list(ROLLOUT_COLUMNS)].nunique(dropna=False).max(axis=1) > 1
+    if facts_differ.any():
+        raise InvalidInput(
+            f"rows of rollout {facts_differ.idxmax()!r} disagree on its facts "
+            f"({', '.join(ROLLOUT_COLUMNS)})"
+        )
+    crowded = (frame["step"] == PLACEHOLDER_STEP) & (per_rollout["step"].transform("size") > 1)
+    if crowded.any():
+        raise InvalidInput(
+            f"rollout {frame.loc[crowded, 'rollout_id'].iloc[0]!r} has a placeholder row (step "
+            f"{PLACEHOLDER_STEP}) beside transitions; a placeholder must be its only row"
+        )
+    return frame
+
+
+def _write_atomically(table: pa.Table, path: Path) -> None:
+    # The temporary name does not end in .parquet, so readers globbing *.parquet never see a
+    # half-written file; os.replace then swaps the whole file in at once.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def export_iteration(root: Path, iteration: int, rows: list[dict[str, Any]] | pd.DataFrame) -> Path:
+    """Write an iteration's rows to `root/transitions/iteration=<k>/part-0.parquet`.
+
+    Exporting an iteration again replaces its file whole, so a retried task is harmless.
+    """
+    if iteration < 0:
+        raise InvalidInput(f"iteration must be >= 0, got {iteration}")
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame.from_records(rows)
+    if frame.empty:
+        # Every rollout has a row (a placeholder at least), so no rows means no rollouts; an
+        # empty file would list the iteration as exported while it has no episodes.
+        raise InvalidInput(f"no rows to export for iteration {iteration}: it ran no rollout")
+    frame = _validate(frame, iteration)
+    try:
+        table = pa.Table.from_pandas(frame, schema=ARROW_SCHEMA, preserve_index=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise InvalidInput(
+            f"export rows of iteration {iteration} have a wrong type: {exc}"
+        ) from exc
+    path = Path(root) / "transitions" / f"iteration={iteration}" / PART_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(table, path)
+    return path
+
+
+def exported_iterations(root: Path) -> list[int]:
+    """Iterations that have an export under `root`, in order."""
+    found = []
+    for part in (Path(root) / "transitions").glob(f"iteration=*/{PART_FILE}"):
+        match = re.fullmatch(r"iteration=(\d+)", part.parent.name)
+        if match:
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _create_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
+    glob = _sql_string(str(root.resolve() / "transitions" / "*" / "*.parquet"))
+    typed_empty = ", ".join(f"NULL::{c.sql_type} AS {c.name}" for c in COLUMNS)
+    names = ", ".join(COLUMN_NAMES)
+    # read_parquet fails on a glob that matches nothing unless allow_empty, which then yields a
+    # lone `empty` column; the union with a typed empty row set keeps the views' columns the same
+    # before and after the first export. A view re-reads the glob at every query, so files
+    # exported after connect() show up without reconnecting.
+    con.execute(
+        f"""
+        CREATE OR REPLACE VIEW exported_rows AS
+        SELECT {names} FROM (
+            SELECT {typed_empty} WHERE false
+            UNION ALL BY NAME
+            SELECT * FROM read_parquet(
+                {glob}, hive_partitioning = true, hive_types = {{'iteration': INTEGER}},
+                allow_empty = true
+            )
+        )
+        """
+    )
+    con.execute(
+        f"CREATE OR REPLACE VIEW transitions AS "
+        f"SELECT * FROM exported_rows WHERE step <> {PLACEHOLDER_STEP}"
+    )
+    con.execute(
+        f"""
+        CREATE OR REPLACE VIEW episodes AS
+        SELECT iteration, rollout_id,
+            any_value(group_id) AS group_id,
+            any_value(task_id) AS task_id,
+            any_value(episode_return) AS episode_return,
+            any_value(success) AS success,
+            count(*) FILTER (WHERE step <> {PLACEHOLDER_STEP}) AS actions,
+            any_value(tool_calls) AS tool_calls,
+            any_value(tool_errors) AS tool_errors,
+            max(policy_version) AS policy_version
+        FROM exported_rows
+        GROUP BY iteration, rollout_id
+        """
+    )
+
+
+def connect(
+    root: Path, database: Path | Literal[":memory:"] | None = None
+) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the views exported_rows, transitions and episodes over `root`.
+
+    `database` is the DuckDB file holding the views (and any table you add): by default
+    `root/analytics.duckdb`; ":memory:" keeps nothing, and never contends for the file's lock
+    with another process that has it open.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise NotFound(f"run folder {root} does not exist; pass the folder training exports to")
+    target = ":memory:" if database == ":memory:" else str(database or root / DEFAULT_DATABASE)
+    try:
+        con = duckdb.connect(target)
+    except duckdb.IOException as exc:
+        raise InvalidInput(
+            f"cannot open {target}: {_one_line(exc)}; another process may hold it, "
+            "connect with database=':memory:'"
+        ) from exc
+    _create_views(con, root)
+    return con
+
+
+def _one_line(exc: duckdb.Error) -> str:
+    # DuckDB appends the statement with a caret under the culprit, which only reads well on a
+    # terminal of its own; the message before it says what went wrong.
+    message = str(exc).split("\n\nLINE ", 1)[0]
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def run_sql(con: duckdb.DuckDBPyConnection, sql: str) -> pd.DataFrame:
+    """The result of `sql` (the last statement's, if several) as a DataFrame."""
+    try:
+        return con.execute(sql).df()
+    except duckdb.Error as exc:
+        raise InvalidInput(f"SQL failed: {_one_line(exc)}") from exc
+
+
+# Metrics of each iteration: episode-level ones count each rollout once (from `episodes`),
+# action-level ones each transition once (from `transitions`). reward_std is the population
+# std, as in the advantage estimators. NULL filter = every iteration.
+_METRICS_SQL = """
+WITH ep AS (
+    SELECT iteration,
+        avg(episode_return) AS "rollout/reward_mean",
+        stddev_pop(episode_return) AS "rollout/reward_std",
+        avg(success::DOUBLE) AS "rollout/success_rate",
+        avg(actions) AS "rollout/actions_per_episode",
+        coalesce(sum(tool_errors)::DOUBLE / nullif(sum(tool_calls), 0), 0.0)
+            AS "rollout/tool_error_rate",
+        count(*)::DOUBLE AS "rollout/episodes"
+    FROM episodes WHERE $iteration IS NULL OR iteration = $iteration
+    GROUP BY iteration
+), tr AS (
+    SELECT iteration,
+        avg(response_tokens) AS "rollout/tokens_per_action",
+        avg(prompt_tokens) AS "rollout/prompt_tokens_per_action",
+        avg(advantage) AS "credit/advantage_mean",
+        avg(abs(advantage)) AS "credit/advantage_abs_mean",
+        avg((advantage = 0)::DOUBLE) AS "credit/zero_advantage_fraction"
+    FROM transitions WHERE $iteration IS NULL OR iteration = $iteration
+    GROUP BY iteration
+)
+SELECT ep.iteration,
+    "rollout/reward_mean", "rollout/reward_std", "rollout/success_rate",
+    "rollout/actions_per_episode", "rollout/tokens_per_action",
+    "rollout/prompt_tokens_per_action", "rollout/tool_error_rate", "rollout/episodes",
+    "credit/advantage_mean", "credit/advantage_abs_mean", "credit/zero_advantage_fraction"
+FROM ep LEFT JOIN tr USING (iteration)
+ORDER BY ep.iteration
+"""
+
+
+def history(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """The metrics of every exported iteration, one row each in order (a reward curve)."""
+    return con.execute(_METRICS_SQL, {"iteration": None}).df()
+
+
+def iteration_metrics(con: duckdb.DuckDBPyConnection, iteration: int) -> dict[str, float]:
+    """Namespaced metrics of one iteration, to log with step=iteration.
+
+    Action-level metrics are NaN when no rollout of the iteration called the LLM.
+    """
+    frame = con.execute(_METRICS_SQL, {"iteration": iteration}).df()
+    if frame.empty:
+        exported = con.execute("SELECT DISTINCT iteration FROM episodes ORDER BY 1").fetchall()
+        raise NotFound(
+            f"no export of iteration {iteration}; exported: "
+            f"{', '.join(str(i) for (i,) in exported) or 'none yet'}"
+        )
+    row = frame.drop(columns="iteration").iloc[0]
+    return {name: float(value) for name, value in row.items()}
+
+
+def agent_breakdown(con: duckdb.DuckDBPyConnection, iteration: int) -> pd.DataFrame:
+    """Per agent_name of one iteration: transitions, mean reward and advantage, tokens/action."""
+    return con.execute(
+        """
+        SELECT agent_name,
+            count(*) AS transitions,
+            avg(reward) AS reward_mean,
+            avg(advantage) AS advantage_mean,
+            avg(response_tokens) AS tokens_per_action
+        FROM transitions WHERE iteration = $iteration
+        GROUP BY agent_name
+        ORDER BY agent_name NULLS LAST
+        """,
+        {"iteration": iteration},
+    ).df()
+
+
+class OutputFormat(StrEnum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+def format_frame(frame: pd.DataFrame, fmt: OutputFormat = OutputFormat.table) -> str:
+    """A query result as text: an aligned table, CSV with a header, or a JSON array of rows."""
+    if fmt is OutputFormat.csv:
+        return frame.to_csv(index=False)
+    if fmt is OutputFormat.json:
+        return frame.to_json(orient="records") + "\n"
+    if frame.empty:
+        return "  ".join(map(str, frame.columns)) + "\n(0 rows)\n"
+    return frame.to_string(index=False) + "\n"

@@ -1,0 +1,112 @@
+"""Finished rollouts to training data: transitions with credit-assigned advantages.
+
+For each rollout of an iteration, the spans of its latest attempt become transitions (adapter.py),
+LightningRL credit assignment spreads each episode's rewards over its actions (credit.py), and
+the group estimator turns those returns into advantages (advantages.py). Alongside come the
+per-rollout facts that analytics need: the episode return, success, tool calls and errors.
+
+A rollout that failed (its agent raised on every attempt) has no transitions; it still counts as
+an episode with return 0, so success rates are not flattered by dropping failures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from lightning_core import semconv
+from lightning_core.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.algo.advantages import Episode, Estimator, compute_advantages
+from lightning_core.algo.credit import CreditStrategy, assign_credit
+from lightning_core.analytics import RolloutFacts
+from lightning_core.types import Rollout, RolloutStatus, Span, Transition
+
+
+class CreditConfig(BaseModel):
+    """How episode returns become per-action advantages."""
+
+    strategy: CreditStrategy = Field(
+        "equal", description="Episode return to actions: equal (the paper's), discounted, last."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount for the discounted strategy.")
+    estimator: Estimator = Field(
+        "grpo", description="Advantage estimator over each task's group: grpo, rloo, reinforce++."
+    )
+    normalize_std: bool = Field(
+        False, description="Divide GRPO advantages by the group's std (Dr. GRPO leaves it out)."
+    )
+    success_threshold: float = Field(
+        1.0, description="A rollout succeeded when its final reward is at least this."
+    )
+
+
+@dataclass
+class Collected:
+    """An iteration's training data."""
+
+    transitions: list[Transition] = field(default_factory=list)
+    facts: dict[str, RolloutFacts] = field(default_factory=dict)
+
+    @property
+    def trainable(self) -> list[Transition]:
+        """Transitions that carry a learning signal (advantage not 0)."""
+        return [t for t in self.transitions if t.advantage]
+
+
+def _tool_counts(spans: Sequence[Span]) -> tuple[int, int]:
+    tools = [s for s in spans if s.name == semconv.TOOL_SPAN]
+    errors = sum(1 for s in tools if s.attributes.get(semconv.TOOL_SUCCESS) is False)
+    return len(tools), errors
+
+
+def collect(
+    rollouts: Sequence[Rollout],
+    spans: Sequence[Span],
+    adapter: AdapterConfig | None = None,
+    credit: CreditConfig | None = None,
+) -> Collected:
+    """Transitions (with advantages) and facts of finished rollouts, given the spans of their
+    latest attempts."""
+    credit = credit or CreditConfig()
+    by_rollout: dict[str, list[Span]] = {}
+    for span in spans:
+        by_rollout.setdefault(span.rollout_id, []).append(span)
+
+    out = Collected()
+    episodes: list[Episode] = []
+    per_episode: list[list[Transition]] = []
+    for rollout in rollouts:
+        mine = by_rollout.get(rollout.rollout_id, [])
+        succeeded = rollout.status is RolloutStatus.succeeded
+        transitions = spans_to_transitions(mine, rollout, adapter) if succeeded else []
+        calls, errors = _tool_counts(mine)
+        final = rollout.final_reward if succeeded and rollout.final_reward is not None else 0.0
+        out.facts[rollout.rollout_id] = RolloutFacts(
+            group_id=rollout.group_id,
+            task_id=rollout.task_id,
+            episode_return=final,
+            success=final >= credit.success_threshold,
+            tool_calls=calls,
+            tool_errors=errors,
+            policy_version=rollout.policy_version,
+        )
+        if not transitions:
+            continue
+        rewards = [t.reward for t in transitions]
+        episodes.append(
+            Episode(
+                group=rollout.group_id or rollout.rollout_id,
+                episode_return=float(sum(rewards)),
+                action_returns=assign_credit(rewards, credit.strategy, credit.gamma),
+            )
+        )
+        per_episode.append(transitions)
+
+    advantages = compute_advantages(episodes, credit.estimator, credit.normalize_std)
+    for transitions, values in zip(per_episode, advantages, strict=True):
+        for transition, value in zip(transitions, values, strict=True):
+            transition.advantage = value
+        out.transitions.extend(transitions)
+    return out

@@ -1,0 +1,43 @@
+"""Prefect task of the evaluation stage: a policy's held-out score."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from lightning_core.evaluation import EvalResult, evaluate
+from lightning_core.runner import AttemptResult
+from lightning_core.store.client import HttpStoreClient
+from tasks import progress
+from tasks.rollouts import make_runner
+
+
+@task(name="evaluate-policy", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def evaluate_policy(
+    server_url: str,
+    agent: str,
+    tasks: Sequence[dict[str, Any]],
+    policy_version: str,
+    concurrency: int,
+    rollout_timeout_s: float,
+    success_threshold: float = 1.0,
+    run_dir: str | None = None,
+) -> EvalResult:
+    """Greedy rollouts of every held-out task on `policy_version`; accuracy with its 95 % CI."""
+
+    def on_attempt(result: AttemptResult) -> None:
+        if run_dir is not None:
+            progress.report(run_dir, "eval", policy=policy_version, total=len(tasks))
+
+    async def run() -> EvalResult:
+        async with HttpStoreClient(server_url) as store:
+            runner = make_runner(
+                agent, store, server_url, concurrency, rollout_timeout_s, policy_version, on_attempt
+            )
+            return await evaluate(store, runner, tasks, policy_version, success_threshold)
+
+    return asyncio.run(run())

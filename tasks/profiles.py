@@ -1,0 +1,86 @@
+"""What the pipeline needs to know about each example agent, by name.
+
+An agent itself is only a callable; training it also needs its tasks, how its rewards are read
+and where its models are registered. A profile holds those facts, so `--agent calc` is all a user
+types. Other agents train with `--agent module:function` plus `--tasks module:function`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from lightning_core import semconv
+from lightning_core.agent_ref import load_agent, parse_agent_ref
+from lightning_core.errors import InvalidInput
+from lightning_core.rewards import AIRRule
+
+
+class AgentProfile(BaseModel):
+    """An agent, its tasks and its training defaults."""
+
+    name: str = Field(description="Short name: runs, policy versions and reports use it.")
+    agent: str = Field(description="The agent callable, as 'module:function'.")
+    tasks: str = Field(
+        description="Task loader 'module:function', called as (split, size, source) and "
+        "returning dicts with at least an 'id'."
+    )
+    task_source: str | None = Field(None, description="Default dataset the loader draws from.")
+    air: list[AIRRule] = Field(
+        default_factory=list, description="Automatic intermediate rewards for its spans."
+    )
+    train_agents: list[str] | None = Field(
+        None, description="Agent names whose LLM calls are trained; None trains all."
+    )
+    registered_model: str = Field(description="MLflow registered model name of its adapters.")
+    success_threshold: float = Field(
+        1.0, description="A final reward at least this counts as solved in success rates."
+    )
+    tool_format: Literal["auto", "hermes", "line"] = Field(
+        "line", description="How the gateway renders its tools for a model without a tool template."
+    )
+
+    def load_agent(self) -> Callable[..., Any]:
+        return load_agent(self.agent)
+
+    def load_tasks(self, split: str, size: int, source: str | None = None) -> list[dict[str, Any]]:
+        loader = load_agent(self.tasks)
+        try:
+            tasks = loader(split, size, source or self.task_source)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(f"cannot load {split} tasks of agent {self.name!r}: {exc}") from exc
+        if not tasks:
+            raise InvalidInput(f"the {split} split of agent {self.name!r} is empty")
+        return tasks
+
+
+PROFILES: dict[str, AgentProfile] = {
+    "calc": AgentProfile(
+        name="calc",
+        agent="agents.calc:agent",
+        tasks="agents.calc:load_tasks",
+        task_source="arithmetic",
+        # A small bonus per successful calculator call: the behaviour that makes answers right.
+        air=[AIRRule(name=semconv.TOOL_SPAN, outcome="success", reward=0.1)],
+        registered_model="lightning-calc",
+    ),
+}
+
+
+def profile(agent: str, tasks: str | None = None) -> AgentProfile:
+    """The profile of a named agent, or one made up for `module:function` agents."""
+    if agent in PROFILES:
+        found = PROFILES[agent]
+        return found.model_copy(update={"tasks": tasks}) if tasks else found
+    if ":" not in agent:
+        raise InvalidInput(
+            f"unknown agent {agent!r}: use one of {', '.join(sorted(PROFILES))}, or "
+            "'module:function' together with --tasks 'module:function'"
+        )
+    if tasks is None:
+        raise InvalidInput(f"agent {agent!r} needs a task loader: pass tasks='module:function'")
+    module, _ = parse_agent_ref(agent)
+    name = module.rsplit(".", 1)[-1]
+    return AgentProfile(name=name, agent=agent, tasks=tasks, registered_model=f"lightning-{name}")

@@ -1,0 +1,117 @@
+"""The run report users read: a reward curve (PNG) and markdown with the numbers that matter."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from lightning_core.evaluation import EvalResult
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes) from free-form names."""
+    return re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def reward_curve(
+    history: pd.DataFrame, evals: list[tuple[int, EvalResult]], path: Path, title: str
+) -> Path:
+    """Training reward and success per iteration, held-out accuracy (with its 95 % CI) at
+    each evaluation, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and workers
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if not history.empty:
+        ax.plot(history["iteration"], history["rollout/reward_mean"], "o-", label="train reward")
+        ax.plot(history["iteration"], history["rollout/success_rate"], "s--", label="train success")
+    if evals:
+        xs = [i for i, _ in evals]
+        ys = [e.accuracy for _, e in evals]
+        # max(0, ...): the interval's ends carry float error around accuracies of 0 and 1.
+        low = [max(0.0, e.accuracy - e.ci_low) for _, e in evals]
+        high = [max(0.0, e.ci_high - e.accuracy) for _, e in evals]
+        ax.errorbar(xs, ys, yerr=[low, high], fmt="D-", capsize=4, label="held-out accuracy")
+    ax.set_xlabel("iteration")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _table(frame: pd.DataFrame, columns: list[str]) -> str:
+    shown = [c for c in columns if c in frame.columns]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    for _, row in frame.iterrows():
+        cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in shown]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(
+    title: str,
+    history: pd.DataFrame,
+    evals: list[tuple[int, EvalResult]],
+    curve: Path,
+    decision: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """The report: held-out scores, the curve (inline PNG), per-iteration metrics, promotion."""
+    parts = [f"# {title}", ""]
+    if evals:
+        base, final = evals[0][1], evals[-1][1]
+        gain = (final.accuracy - base.accuracy) * 100
+        parts += [
+            "## Held-out accuracy (greedy)",
+            "",
+            "| iteration | policy | accuracy | 95 % CI | tasks |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {i} | {e.policy_version} | {e.accuracy:.1%} | "
+                f"{e.ci_low:.1%} - {e.ci_high:.1%} | {e.tasks} |"
+                for i, e in evals
+            ),
+            "",
+            f"Gain over the base model: **{gain:+.1f} points**.",
+            "",
+        ]
+    encoded = base64.b64encode(curve.read_bytes()).decode()
+    parts += [
+        "## Reward curve",
+        "",
+        f"![reward curve](data:image/png;base64,{encoded})",
+        "",
+        f"(PNG: `{curve}`)",
+        "",
+        "## Iterations",
+        "",
+        _table(
+            history,
+            [
+                "iteration",
+                "rollout/reward_mean",
+                "rollout/success_rate",
+                "rollout/actions_per_episode",
+                "rollout/tokens_per_action",
+                "rollout/tool_error_rate",
+                "credit/zero_advantage_fraction",
+            ],
+        ),
+        "",
+    ]
+    if decision is not None:
+        parts += ["## Registry", "", f"{decision}", ""]
+    for key, value in (extra or {}).items():
+        parts.append(f"- {key}: {value}")
+    return "\n".join(parts)

@@ -1,0 +1,131 @@
+"""Prefect tasks of the rollout stage: plan, run (fanned out), collect transitions."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from lightning_core.adapter import AdapterConfig
+from lightning_core.agent_ref import load_agent
+from lightning_core.collect import Collected, CreditConfig, collect
+from lightning_core.runner import AttemptResult, Runner, RunnerConfig
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.types import RolloutRequest
+from tasks import progress
+
+
+def make_runner(
+    agent: str,
+    store: HttpStoreClient,
+    server_url: str,
+    concurrency: int,
+    rollout_timeout_s: float,
+    default_model: str,
+    on_attempt: Callable[[AttemptResult], None] | None = None,
+) -> Runner:
+    """A Runner of `agent` (a reference) on the server's queue, as the flow's tasks use it."""
+    config = RunnerConfig(
+        concurrency=concurrency,
+        rollout_timeout_s=rollout_timeout_s,
+        default_model=default_model,
+        poll_wait_s=0.5,
+    )
+    return Runner(load_agent(agent), store, server_url, config, on_attempt=on_attempt)
+
+
+def sample_tasks(
+    train: Sequence[dict[str, Any]], count: int, seed: int, iteration: int
+) -> list[dict[str, Any]]:
+    """The iteration's tasks: a fixed function of (seed, iteration), without repeats."""
+    rng = random.Random(f"{seed}-{iteration}")
+    return rng.sample(list(train), min(count, len(train)))
+
+
+@task(name="plan-rollouts", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def plan_rollouts(
+    server_url: str,
+    tasks: Sequence[dict[str, Any]],
+    group_size: int,
+    policy_version: str,
+    group_prefix: str,
+    sampling: dict[str, Any],
+    max_attempts: int,
+) -> list[str]:
+    """Queue G rollouts per task on the current policy; the ids of the queued rollouts."""
+    requests = [
+        RolloutRequest(
+            input=t,
+            task_id=str(t["id"]),
+            group_id=f"{group_prefix}-{t['id']}",
+            policy_version=policy_version,
+            max_attempts=max_attempts,
+            metadata={"sampling": sampling},
+        )
+        for t in tasks
+        for _ in range(group_size)
+    ]
+
+    async def enqueue() -> list[str]:
+        async with HttpStoreClient(server_url) as store:
+            return [r.rollout_id for r in await store.enqueue_rollouts(requests)]
+
+    return asyncio.run(enqueue())
+
+
+@task(
+    name="run-rollouts", retries=1, retry_delay_seconds=5, tags=["rollout"], cache_policy=NO_CACHE
+)
+def run_rollouts(
+    worker: int,
+    server_url: str,
+    agent: str,
+    rollout_ids: list[str],
+    concurrency: int,
+    rollout_timeout_s: float,
+    default_model: str,
+    run_dir: str | None = None,
+    stage: str = "rollout",
+) -> dict[str, int]:
+    """One rollout worker: run agents on queued rollouts until all of `rollout_ids` are done.
+
+    Mapped over workers, each takes rollouts from the shared queue, so work spreads by itself
+    and a worker that dies only slows the others down (its attempts time out and are retried).
+    """
+    total = len(rollout_ids)
+
+    def on_attempt(result: AttemptResult) -> None:
+        if run_dir is not None:
+            progress.report(run_dir, stage, worker=worker, status=str(result.status), total=total)
+
+    async def work() -> dict[str, int]:
+        async with HttpStoreClient(server_url) as store:
+            runner = make_runner(
+                agent, store, server_url, concurrency, rollout_timeout_s, default_model, on_attempt
+            )
+            await runner.run_until_done(rollout_ids)
+            return {"succeeded": runner.stats.succeeded, "failed": runner.stats.failed}
+
+    return asyncio.run(work())
+
+
+@task(name="collect-transitions", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def collect_transitions(
+    server_url: str, rollout_ids: list[str], adapter: AdapterConfig, credit: CreditConfig
+) -> Collected:
+    """Spans to transitions with LightningRL credit and group advantages, stored back."""
+
+    async def gather() -> Collected:
+        async with HttpStoreClient(server_url) as store:
+            rollouts = await store.query_rollouts(rollout_ids=rollout_ids)
+            spans = await store.query_spans(rollout_ids, "latest")
+            collected = collect(rollouts, spans, adapter, credit)
+            if collected.transitions:
+                await store.add_transitions(collected.transitions)
+            return collected
+
+    return asyncio.run(gather())

@@ -1,0 +1,136 @@
+"""prefect.yaml as a team uses it: a local Prefect server, `prefect deploy --all`, a process
+worker, and `prefect deployment run 'train/calc' --watch` ending Completed (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = [sys.executable, "-m", "prefect"]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("prefect server did not become healthy")
+
+
+def test_train_deployment_runs_to_completed_through_a_worker(tmp_path):
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_CLI_PROMPT": "false",
+    }
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with (logs / "server.log").open("w") as server_log, (logs / "worker.log").open("w") as log:
+        _deploy_and_run(env, api, port, logs, server_log, log, tmp_path)
+
+
+def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> None:
+    server = subprocess.Popen(
+        [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env={k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+        stdout=server_log,
+        stderr=subprocess.STDOUT,
+    )
+    worker = None
+    try:
+        _wait_healthy(api, server)
+
+        def prefect(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+            done = subprocess.run(
+                [*PREFECT, *args],
+                env=env,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
+            return done
+
+        prefect("work-pool", "create", "lightning-process", "--type", "process")
+        deployed = prefect("deploy", "--all", "--no-prompt")
+        assert "train/calc" in deployed.stdout and "evaluate/calc-champion" in deployed.stdout
+        worker = subprocess.Popen(
+            [*PREFECT, "worker", "start", "--pool", "lightning-process"],
+            env=env,
+            cwd=REPO,
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+        )
+        params = {
+            "model": "tiny",
+            "iterations": 1,
+            "tasks_per_iteration": 2,
+            "group_size": 2,
+            "eval_size": 3,
+            "rollout_workers": 1,
+            "rollout_concurrency": 2,
+            "run_dir": str(tmp_path / "runs"),
+            "run_name": "deployed",
+            "registry_config": {
+                "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+                "registered_model": "deployed-calc",
+            },
+        }
+        run = prefect(
+            "deployment",
+            "run",
+            "train/calc",
+            "--param",
+            "iterations=1",
+            "--params",
+            json.dumps(params),
+            "--watch",
+            "--watch-timeout",
+            "600",
+            timeout=700,
+        )
+        assert "Completed" in run.stdout, run.stdout + (logs / "worker.log").read_text()[-3000:]
+        summary = json.loads((tmp_path / "runs" / "deployed" / "summary.json").read_text())
+        assert summary["iterations"] == 1 and summary["policy_version"] == "deployed-v1"
+        # A parameter the flow's config refuses fails the run's creation, not deep inside it.
+        bad = subprocess.run(
+            [*PREFECT, "deployment", "run", "train/calc", "--param", "iterations=many"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bad.returncode != 0
+    finally:
+        for proc in (worker, server):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()

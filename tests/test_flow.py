@@ -1,0 +1,156 @@
+"""The training flow end to end, in a real Prefect run: tiny model, real policy server, DuckDB
+store and Parquet exports, MLflow on SQLite; then the promotion rule on the real registry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+from mlflow import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+from safetensors.torch import load_file
+
+from flows.train import train
+from lightning_core import analytics, serving
+from tasks import registry
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def trained(prefect_harness, tmp_path_factory):
+    root = tmp_path_factory.mktemp("flow")
+    config = registry.RegistryConfig(
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        registered_model="flow-test",
+        promotion_threshold=0.0,
+        promotion_margin=0.05,
+    )
+    state = train(
+        agent="tests.flow_agents:agent",
+        tasks="tests.flow_agents:load_tasks",
+        model="tiny",
+        iterations=2,
+        tasks_per_iteration=3,
+        group_size=4,
+        temperature=1.0,
+        eval_size=6,
+        eval_every=1,
+        rollout_workers=2,
+        rollout_concurrency=3,
+        run_dir=str(root / "runs"),
+        run_name="e2e",
+        registry_config=config,
+        return_state=True,
+    )
+    assert state.is_completed(), state.message
+    return state.result(), config, root / "runs" / "e2e"
+
+
+def test_transitions_are_stored_with_rewards_and_advantages(trained):
+    summary, _, run = trained
+    with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
+        rows = con.execute(
+            "SELECT reward, advantage, policy_version FROM transitions ORDER BY rollout_id"
+        ).fetchall()
+    assert len(rows) == 2 * 3 * 4  # iterations x tasks x G, one LLM call each
+    assert {reward for reward, _, _ in rows} == {0.0, 1.0}
+    assert all(advantage is not None for _, advantage, _ in rows)
+    assert any(advantage != 0 for _, advantage, _ in rows)  # mixed groups: a real signal
+    assert {version for *_, version in rows} == {"tiny-random-llama", "e2e-v1"}
+    # The analytics export of each iteration, queryable in DuckDB.
+    con = analytics.connect(run, ":memory:")
+    assert analytics.exported_iterations(run) == [1, 2]
+    assert analytics.iteration_metrics(con, 2)["rollout/episodes"] == 12
+    assert summary["iterations"] == 2 and (run / "reward_curve.png").stat().st_size > 1000
+
+
+def test_each_iteration_trained_a_new_adapter_and_version_2_is_served_by_name(trained):
+    summary, _, run = trained
+    assert summary["policy_version"] == "e2e-v2"
+    first = load_file(run / "adapters" / "v1" / "adapter_model.safetensors")
+    second = load_file(run / "adapters" / "v2" / "adapter_model.safetensors")
+    assert any(not (first[k] == second[k]).all() for k in first)
+    # A new server on the run's store serves the registered version by its name.
+    port = free_port()
+    proc = serving.start_serve(run / "store.duckdb", port, "--model", "tiny")
+    try:
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={
+                "model": "e2e-v2",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4,
+            },
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == "e2e-v2"
+    finally:
+        serving.stop_serve(proc)
+
+
+def test_mlflow_run_metrics_and_challenger(trained):
+    summary, config, _ = trained
+    client = MlflowClient(config.tracking_uri)
+    history = client.get_metric_history(summary["mlflow_run_id"], "rollout/reward_mean")
+    assert sorted(m.step for m in history) == [1, 2]
+    evals = client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")
+    assert sorted(m.step for m in evals) == [0, 1, 2]
+    challenger = client.get_model_version_by_alias("flow-test", "challenger")
+    assert challenger.tags["policy_version"] == "e2e-v2"
+    # No champion before this run: the threshold (0) decided, and it was met.
+    champion = client.get_model_version_by_alias("flow-test", "champion")
+    assert str(champion.version) == str(challenger.version) == "1"
+    assert summary["promotion"]["promote"] is True
+    assert "no champion" in summary["promotion"]["reason"]
+
+
+def test_promotion_rule_on_the_registry(trained):
+    summary, config, run = trained
+    adapter = run / "adapters" / "v2"
+    champion_score = summary["final"]["accuracy"]
+
+    def register(score: float) -> registry.PromotionDecision:
+        return registry.publish_adapter(
+            config,
+            adapter,
+            base_model="tiny",
+            policy_version="e2e-v2",
+            iteration=2,
+            score=score,
+        )
+
+    client = MlflowClient(config.tracking_uri)
+    # Not better by the margin: the challenger moves, the champion stays.
+    stays = register(champion_score + 0.01)
+    assert not stays.promote
+    assert str(client.get_model_version_by_alias("flow-test", "champion").version) == "1"
+    assert str(client.get_model_version_by_alias("flow-test", "challenger").version) == "2"
+    # Better by more than the margin: the champion moves to it.
+    moves = register(champion_score + 0.2)
+    assert moves.promote
+    assert str(client.get_model_version_by_alias("flow-test", "champion").version) == "3"
+    tags = client.get_model_version("flow-test", "3").tags
+    assert tags["promotion.decision"] == "promoted"
+    assert float(tags["promotion.champion_score"]) == pytest.approx(champion_score)
+
+
+def test_run_folder_has_config_summary_and_progress(trained):
+    _, _, run = trained
+    config = json.loads((run / "config.json").read_text())
+    assert config["iterations"] == 2 and config["model"] == "tiny"
+    stages = [json.loads(line)["stage"] for line in (run / "progress.jsonl").open()]
+    assert stages[0] == "start" and stages[-1] == "done"
+    assert stages.count("iterated") == 2 and stages.count("evaluated") == 3
+    assert Path(run.parent / "latest").resolve() == run.resolve()
