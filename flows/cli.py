@@ -230,7 +230,12 @@ def evaluate(
     """Score a registered policy on the agent's held-out benchmark (Prefect flow 'evaluate')."""
     _quiet_prefect()
     from flows.evaluate import evaluate as evaluate_flow
+    from tasks.profiles import profile
 
+    try:
+        profile(agent, tasks)  # a bad name fails here, before any flow starts
+    except LightningError as exc:
+        _fail(exc)
     try:
         result = evaluate_flow(
             agent=agent, policy=model, eval_size=eval_size, model=base_model, tasks=tasks

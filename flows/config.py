@@ -37,7 +37,7 @@ class TrainConfig(BaseModel):
         description="Dataset of the agent's loader (calc: arithmetic, basic_arithmetic, "
         "gsm_symbolic); None: the profile's default.",
     )
-    iterations: int = Field(10, ge=1, description="Training iterations.")
+    iterations: int = Field(12, ge=1, description="Training iterations.")
     tasks_per_iteration: int = Field(16, ge=1, description="Train tasks sampled per iteration.")
     group_size: int = Field(
         4, ge=1, description="Rollouts per task (G): the group whose mean is the baseline."
@@ -59,7 +59,7 @@ class TrainConfig(BaseModel):
     task_runner_address: str | None = Field(
         None, description="Ray address or Dask scheduler address; None starts a local one."
     )
-    eval_every: int = Field(5, ge=1, description="Evaluate on the held-out split every E.")
+    eval_every: int = Field(4, ge=1, description="Evaluate on the held-out split every E.")
     eval_size: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
     train_size: int = Field(2000, ge=1, description="Size of the train split sampled from.")
     updates_per_iteration: int = Field(

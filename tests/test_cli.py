@@ -20,7 +20,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     # No LIGHTNING_* settings leak in from the environment running the tests.
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     return subprocess.run(
-        [sys.executable, "-m", "lightning_core.cli", *args],
+        [sys.executable, "-m", "flows.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -28,11 +28,29 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("command", [[], ["serve"], ["status"]])
+@pytest.mark.parametrize(
+    "command", [[], ["serve"], ["status"], ["runner"], ["analyze"], ["train"], ["eval"]]
+)
 def test_every_command_has_help(command):
     result = cli(*command, "--help")
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--agent", "nope"], "unknown agent 'nope'"),
+        (["train", "--iterations", "0"], "iterations"),
+        (["train", "--agent", "mod:fn"], "needs a task loader"),
+        (["train", "--run-name", "../up"], "run_name"),
+        (["eval", "--agent", "nope"], "unknown agent 'nope'"),
+    ],
+)
+def test_train_and_eval_refuse_bad_input_in_one_line(args, message):
+    result = cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_status_counts_rollouts_of_a_running_server(tmp_path):

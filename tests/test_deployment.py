@@ -76,6 +76,7 @@ def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> N
             return done
 
         prefect("work-pool", "create", "lightning-process", "--type", "process")
+        prefect("gcl", "create", "gpu", "--limit", "1")
         deployed = prefect("deploy", "--all", "--no-prompt")
         assert "train/calc" in deployed.stdout and "evaluate/calc-champion" in deployed.stdout
         worker = subprocess.Popen(

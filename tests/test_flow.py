@@ -154,3 +154,28 @@ def test_run_folder_has_config_summary_and_progress(trained):
     assert stages[0] == "start" and stages[-1] == "done"
     assert stages.count("iterated") == 2 and stages.count("evaluated") == 3
     assert Path(run.parent / "latest").resolve() == run.resolve()
+
+
+def test_evaluate_flow_scores_the_champion(trained, tmp_path):
+    from flows.evaluate import evaluate
+
+    _, config, _ = trained
+    result = evaluate(
+        agent="tests.flow_agents:agent",
+        tasks="tests.flow_agents:load_tasks",
+        policy="champion",
+        eval_size=4,
+        model="tiny",
+        concurrency=4,
+        run_dir=str(tmp_path),
+        registry_config=config,
+    )
+    client = MlflowClient(config.tracking_uri)
+    champion = client.get_model_version_by_alias("flow-test", "champion")
+    assert result["version"] == str(champion.version)
+    assert result["tasks"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+    runs = client.search_runs(
+        [client.get_experiment_by_name(config.experiment).experiment_id],
+        filter_string="tags.kind = 'evaluation'",
+    )
+    assert runs and runs[0].data.metrics["eval/accuracy"] == result["accuracy"]

@@ -1,0 +1,45 @@
+"""lightning_core is plain Python + torch: importing all of it loads neither Prefect nor MLflow,
+and agents import nothing from the training side but the tracing API."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lightning_core_imports_neither_prefect_nor_mlflow():
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for p in (ROOT / "lightning_core").rglob("*.py")
+        if p.name != "__main__.py"
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow'))\n"
+        "print(','.join(bad))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
+
+
+def test_agents_import_only_tracing_from_lightning_core():
+    for path in (ROOT / "agents").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in ("tasks", "flows", "prefect", "mlflow"), f"{path}: {name}"
+                if top == "lightning_core":
+                    assert name == "lightning_core.tracing", f"{path}: {name}"
