@@ -41,7 +41,7 @@ from tasks.evaluation import evaluate_policy
 from tasks.profiles import AgentProfile, profile
 from tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts, sample_tasks
 from tasks.server import PolicyServer, policy_server
-from tasks.training import publish_policy, train_policy
+from tasks.training import ensure_gpu_limit, publish_policy, train_policy
 
 _D = TrainConfig()
 
@@ -90,7 +90,7 @@ def _air(agent: AgentProfile, config: TrainConfig) -> list[AIRRule]:
     return [AIRRule(name=semconv.TOOL_SPAN, outcome="success", reward=config.air_reward)]
 
 
-@task(name="register-policy", cache_policy=NO_CACHE)
+@task(name="register-policy", timeout_seconds=900, cache_policy=NO_CACHE)
 def register_policy(
     config: registry.RegistryConfig,
     adapter_dir: str,
@@ -156,6 +156,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         update={"model": config.model, "seed": config.seed}
     )
     started = time.time()
+    ensure_gpu_limit()
     progress.report(root, "start", run=run_name, iterations=config.iterations)
     log.info(
         "run %s in %s: %d train / %d test tasks", run_name, root, len(train_tasks), len(test_tasks)

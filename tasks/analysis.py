@@ -20,7 +20,13 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
 
 
 # Retries are safe: re-exporting an iteration replaces its file whole.
-@task(name="analyze-iteration", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@task(
+    name="analyze-iteration",
+    retries=2,
+    retry_delay_seconds=2,
+    timeout_seconds=600,
+    cache_policy=NO_CACHE,
+)
 def analyze_iteration(
     run_dir: str, iteration: int, collected: Collected, artifact_key: str | None = None
 ) -> dict[str, Any]:

@@ -16,7 +16,13 @@ from tasks import progress
 from tasks.rollouts import make_runner
 
 
-@task(name="evaluate-policy", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+@task(
+    name="evaluate-policy",
+    retries=1,
+    retry_delay_seconds=5,
+    timeout_seconds=3 * 3600,
+    cache_policy=NO_CACHE,
+)
 def evaluate_policy(
     server_url: str,
     agent: str,

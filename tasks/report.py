@@ -29,8 +29,12 @@ def reward_curve(
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if not history.empty:
-        ax.plot(history["iteration"], history["rollout/reward_mean"], "o-", label="train reward")
-        ax.plot(history["iteration"], history["rollout/success_rate"], "s--", label="train success")
+        reward, success = history["rollout/reward_mean"], history["rollout/success_rate"]
+        if (reward - success).abs().max() < 1e-9:  # 0/1 rewards: one line says both
+            ax.plot(history["iteration"], reward, "o-", label="train reward (= success rate)")
+        else:
+            ax.plot(history["iteration"], reward, "o-", label="train reward")
+            ax.plot(history["iteration"], success, "s--", label="train success")
     if evals:
         xs = [i for i, _ in evals]
         ys = [e.accuracy for _, e in evals]

@@ -46,7 +46,13 @@ def sample_tasks(
     return rng.sample(list(train), min(count, len(train)))
 
 
-@task(name="plan-rollouts", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@task(
+    name="plan-rollouts",
+    retries=2,
+    retry_delay_seconds=2,
+    timeout_seconds=120,
+    cache_policy=NO_CACHE,
+)
 def plan_rollouts(
     server_url: str,
     tasks: Sequence[dict[str, Any]],
@@ -78,7 +84,12 @@ def plan_rollouts(
 
 
 @task(
-    name="run-rollouts", retries=1, retry_delay_seconds=5, tags=["rollout"], cache_policy=NO_CACHE
+    name="run-rollouts",
+    retries=1,
+    retry_delay_seconds=5,
+    timeout_seconds=3 * 3600,
+    tags=["rollout"],
+    cache_policy=NO_CACHE,
 )
 def run_rollouts(
     worker: int,
@@ -113,7 +124,13 @@ def run_rollouts(
     return asyncio.run(work())
 
 
-@task(name="collect-transitions", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@task(
+    name="collect-transitions",
+    retries=2,
+    retry_delay_seconds=2,
+    timeout_seconds=600,
+    cache_policy=NO_CACHE,
+)
 def collect_transitions(
     server_url: str, rollout_ids: list[str], adapter: AdapterConfig, credit: CreditConfig
 ) -> Collected:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,26 @@ from lightning_core.errors import Conflict
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import PolicyVersion, Transition
 
-# The global concurrency limit that serialises accelerator work across flow runs. Without a
-# Prefect server, or where nobody created it, the guard lets the task through.
+# The global concurrency limit that serialises accelerator work across flow runs.
 GPU_LIMIT = "gpu"
+
+
+def ensure_gpu_limit(slots: int = 1) -> None:
+    """Create the `gpu` global concurrency limit (one slot) unless it exists already, so that
+    training steps of concurrent flow runs take turns on the accelerator. A team sizes it
+    with `prefect gcl update gpu --limit N` (or creates it first); this leaves theirs alone."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):  # another run was first
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots)
+                )
 
 
 def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
@@ -27,7 +45,7 @@ def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 
 # No retries: an update that failed after its optimizer step would be applied twice.
-@task(name="train-policy", tags=["gpu"], cache_policy=NO_CACHE)
+@task(name="train-policy", timeout_seconds=6 * 3600, tags=["gpu"], cache_policy=NO_CACHE)
 def train_policy(
     trainer: LoRATrainer,
     transitions: list[Transition],
@@ -45,7 +63,7 @@ def train_policy(
         "train/transitions": float(len(batch)),
         "train/skipped_transitions": float(len(transitions) - len(batch)),
     }
-    with concurrency(GPU_LIMIT, occupy=1, strict=False):
+    with concurrency(GPU_LIMIT, occupy=1, strict=True):
         if batch:
             random.Random(seed).shuffle(batch)
             parts = max(1, min(updates, len(batch)))
@@ -55,7 +73,13 @@ def train_policy(
     return metrics
 
 
-@task(name="publish-policy", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@task(
+    name="publish-policy",
+    retries=3,
+    retry_delay_seconds=2,
+    timeout_seconds=120,
+    cache_policy=NO_CACHE,
+)
 def publish_policy(
     server_url: str, name: str, base_model: str, adapter_dir: str, iteration: int
 ) -> str:

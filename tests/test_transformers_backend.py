@@ -362,11 +362,15 @@ async def test_abandoned_requests_leave_the_batch(backend, reference, prompts):
     assert choice.token_ids == hf_greedy(reference, prompts[2])
     with pytest.raises(asyncio.CancelledError):
         await abandoned
+    def busy() -> tuple[int, int]:
+        stats = backend.stats()
+        return stats["running"], stats["waiting"]
+
     for _ in range(100):
-        if backend.stats() == {"running": 0, "waiting": 0}:
+        if busy() == (0, 0):
             break
         await asyncio.sleep(0.01)
-    assert backend.stats() == {"running": 0, "waiting": 0}
+    assert busy() == (0, 0)
 
 
 async def test_requests_beyond_max_batch_size_wait_for_a_row(model_dir, reference, prompts):
