@@ -67,7 +67,7 @@ def evaluate(
                 str(found.adapter),
                 0,
             )
-        result = evaluate_policy(
+        result = evaluate_policy.submit(
             server.url,
             spec.agent,
             test_tasks,
@@ -76,7 +76,7 @@ def evaluate(
             rollout_timeout_s=rollout_timeout_s,
             success_threshold=spec.success_threshold,
             run_dir=str(root),
-        )
+        ).result()
     log.info("held-out: %s", result.summary())
     with registry.tracking(
         config, run_name=root.name, tags={"agent": spec.name, "kind": "evaluation"}

@@ -121,7 +121,8 @@ def _evaluate(
     policy: str,
     root: Path,
 ) -> EvalResult:
-    return evaluate_policy(
+    # An async task (its timeout can cancel it); submitted, it runs on the task runner.
+    return evaluate_policy.submit(
         server.url,
         agent.agent,
         tasks,
@@ -130,7 +131,7 @@ def _evaluate(
         rollout_timeout_s=config.rollout_timeout_s,
         success_threshold=agent.success_threshold,
         run_dir=str(root),
-    )
+    ).result()
 
 
 def run_training(config: TrainConfig) -> dict[str, Any]:

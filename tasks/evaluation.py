@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ from tasks.rollouts import make_runner
     timeout_seconds=3 * 3600,
     cache_policy=NO_CACHE,
 )
-def evaluate_policy(
+async def evaluate_policy(
     server_url: str,
     agent: str,
     tasks: Sequence[dict[str, Any]],
@@ -39,11 +38,8 @@ def evaluate_policy(
         if run_dir is not None:
             progress.report(run_dir, "eval", policy=policy_version, total=len(tasks))
 
-    async def run() -> EvalResult:
-        async with HttpStoreClient(server_url) as store:
-            runner = make_runner(
-                agent, store, server_url, concurrency, rollout_timeout_s, policy_version, on_attempt
-            )
-            return await evaluate(store, runner, tasks, policy_version, success_threshold)
-
-    return asyncio.run(run())
+    async with HttpStoreClient(server_url) as store:
+        runner = make_runner(
+            agent, store, server_url, concurrency, rollout_timeout_s, policy_version, on_attempt
+        )
+        return await evaluate(store, runner, tasks, policy_version, success_threshold)

@@ -91,7 +91,7 @@ def plan_rollouts(
     tags=["rollout"],
     cache_policy=NO_CACHE,
 )
-def run_rollouts(
+async def run_rollouts(
     worker: int,
     server_url: str,
     agent: str,
@@ -113,15 +113,12 @@ def run_rollouts(
         if run_dir is not None:
             progress.report(run_dir, stage, worker=worker, status=str(result.status), total=total)
 
-    async def work() -> dict[str, int]:
-        async with HttpStoreClient(server_url) as store:
-            runner = make_runner(
-                agent, store, server_url, concurrency, rollout_timeout_s, default_model, on_attempt
-            )
-            await runner.run_until_done(rollout_ids)
-            return {"succeeded": runner.stats.succeeded, "failed": runner.stats.failed}
-
-    return asyncio.run(work())
+    async with HttpStoreClient(server_url) as store:
+        runner = make_runner(
+            agent, store, server_url, concurrency, rollout_timeout_s, default_model, on_attempt
+        )
+        await runner.run_until_done(rollout_ids)
+        return {"succeeded": runner.stats.succeeded, "failed": runner.stats.failed}
 
 
 @task(
