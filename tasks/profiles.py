@@ -66,6 +66,25 @@ PROFILES: dict[str, AgentProfile] = {
         air=[AIRRule(name=semconv.TOOL_SPAN, outcome="success", reward=0.1)],
         registered_model="lightning-calc",
     ),
+    "sql": AgentProfile(
+        name="sql",
+        agent="agents.sql:agent",
+        tasks="agents.sql:load_tasks",
+        registered_model="lightning-sql",
+        # Selective optimisation, as in the paper: the checker's calls are not trained.
+        train_agents=["writer", "rewriter"],
+        tool_format="auto",
+        success_threshold=1.0,
+    ),
+    "rag": AgentProfile(
+        name="rag",
+        agent="agents.rag:agent",
+        tasks="agents.rag:load_tasks",
+        registered_model="lightning-rag",
+        tool_format="line",
+        # The reward is 0.1 * format + 0.9 * F1: at least 0.9 means the answer is right.
+        success_threshold=0.9,
+    ),
 }
 
 

@@ -1,0 +1,56 @@
+"""Text-to-SQL tasks for the SQL agent, with a fixed, disjoint train/test split.
+
+A task is a plain dict `{"id", "question", "db", "gold_sql", "ordered"}`. Its id is a hash of
+its database and question, and the split follows that hash (about 70% train, 30% test), so a
+question's split never changes when questions are added or removed. Within a split, tasks come
+in hash order: any prefix mixes databases and question shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+from agents.sql.databases import DATABASES
+from agents.sql.questions import Question, all_questions
+
+Split = Literal["train", "test"]
+SPLITS: tuple[str, ...] = ("train", "test")
+# Of every 100 hash buckets, this many go to train.
+TRAIN_PERCENT = 70
+
+
+def _digest(q: Question) -> str:
+    return hashlib.sha256(f"{q.db}\n{q.question}".encode()).hexdigest()
+
+
+def split_of(q: Question) -> Split:
+    return "train" if int(_digest(q)[:8], 16) % 100 < TRAIN_PERCENT else "test"
+
+
+def task(q: Question) -> dict[str, Any]:
+    return {
+        "id": f"{q.db}-{_digest(q)[:10]}",
+        "question": q.question,
+        "db": q.db,
+        "gold_sql": q.gold_sql,
+        "ordered": q.ordered,
+    }
+
+
+def load_tasks(split: Split, size: int, source: str | None = None) -> list[dict[str, Any]]:
+    """Up to `size` tasks of `split`, the same every time.
+
+    `source` is a database name ("chinook", "university") or None (or "all") for every
+    database. A `size` beyond what the split holds returns all of it (no repeats): the split
+    is small, and repeating questions would only reweigh them.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+    if source not in (None, "all", *DATABASES):
+        raise ValueError(f"source must be one of all, {', '.join(DATABASES)}, not {source!r}")
+    if size < 1:
+        raise ValueError(f"size must be at least 1, not {size}")
+    chosen = [q for q in all_questions() if split_of(q) == split and source in (None, "all", q.db)]
+    chosen.sort(key=_digest)
+    return [task(q) for q in chosen[:size]]

