@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -21,6 +22,16 @@ from pydantic import ValidationError
 
 from lightning_core.cli import _fail, app
 from lightning_core.errors import LightningError
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM stops a run like Ctrl-C does: the policy server (a child process) is stopped
+    on the way out instead of being left behind."""
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _quiet_prefect() -> None:
@@ -156,6 +167,7 @@ def train(
 ) -> None:
     """Train an agent's LLM with LightningRL: the Prefect flow 'train', run here."""
     _quiet_prefect()
+    _interrupt_on_sigterm()
     from flows.config import TrainConfig
 
     fields: dict[str, Any] = {}
@@ -205,6 +217,9 @@ def train(
             summary = _run_with_view(lambda: train_flow(**params), folder, settings.iterations)
     except LightningError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted; what was done is in {folder}", err=True)
+        raise typer.Exit(130) from None
     base, final = summary["base"], summary["final"]
     typer.echo(
         f"base {base['accuracy']:.1%} [{base['ci_low']:.1%}, {base['ci_high']:.1%}] -> "
@@ -229,6 +244,7 @@ def evaluate(
 ) -> None:
     """Score a registered policy on the agent's held-out benchmark (Prefect flow 'evaluate')."""
     _quiet_prefect()
+    _interrupt_on_sigterm()
     from flows.evaluate import evaluate as evaluate_flow
     from tasks.profiles import profile
 

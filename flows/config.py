@@ -46,7 +46,9 @@ class TrainConfig(BaseModel):
         0.8, ge=0, description="Sampling temperature of training rollouts (evaluation is greedy)."
     )
     max_attempts: int = Field(2, ge=1, description="Attempts per rollout before it fails.")
-    rollout_timeout_s: float = Field(120.0, gt=0, description="Time budget of one attempt.")
+    rollout_timeout_s: float | None = Field(
+        None, gt=0, description="Time budget of one attempt; None: the agent profile's."
+    )
     rollout_workers: int = Field(
         2, ge=1, description="Rollout tasks fanned out with .map per iteration (one per worker)."
     )

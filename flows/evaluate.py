@@ -32,7 +32,7 @@ def evaluate(
     eval_size: int = 200,
     model: str | None = None,
     concurrency: int = 32,
-    rollout_timeout_s: float = 120.0,
+    rollout_timeout_s: float | None = None,
     run_dir: str = "runs",
     registry_config: registry.RegistryConfig | None = None,
 ) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def evaluate(
             test_tasks,
             name,
             concurrency=concurrency,
-            rollout_timeout_s=rollout_timeout_s,
+            rollout_timeout_s=rollout_timeout_s or spec.rollout_timeout_s,
             success_threshold=spec.success_threshold,
             run_dir=str(root),
         ).result()

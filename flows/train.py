@@ -138,6 +138,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     """The flow's body, for a validated config."""
     log = get_run_logger()
     agent = profile(config.agent, config.tasks)
+    if config.rollout_timeout_s is None:
+        config = config.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
     run_name, root = _run_folder(config, agent)
     (root / "config.json").write_text(config.model_dump_json(indent=2))
     train_tasks = agent.load_tasks("train", config.train_size, config.task_source)
@@ -317,7 +319,7 @@ def train(
     group_size: int = _D.group_size,
     temperature: float = _D.temperature,
     max_attempts: int = _D.max_attempts,
-    rollout_timeout_s: float = _D.rollout_timeout_s,
+    rollout_timeout_s: float | None = _D.rollout_timeout_s,
     rollout_workers: int = _D.rollout_workers,
     rollout_concurrency: int = _D.rollout_concurrency,
     task_runner: str = _D.task_runner,

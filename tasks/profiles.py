@@ -38,6 +38,11 @@ class AgentProfile(BaseModel):
     success_threshold: float = Field(
         1.0, description="A final reward at least this counts as solved in success rates."
     )
+    rollout_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Time budget of one attempt; agents with many LLM calls need more.",
+    )
     tool_format: Literal["auto", "hermes", "line"] = Field(
         "line", description="How the gateway renders its tools for a model without a tool template."
     )
@@ -73,6 +78,8 @@ PROFILES: dict[str, AgentProfile] = {
         registered_model="lightning-sql",
         # Selective optimisation, as in the paper: the checker's calls are not trained.
         train_agents=["writer", "rewriter"],
+        # Up to 5 calls of up to 128 tokens each, queued with many other rollouts on a CPU.
+        rollout_timeout_s=900.0,
         tool_format="auto",
         success_threshold=1.0,
     ),
@@ -81,6 +88,7 @@ PROFILES: dict[str, AgentProfile] = {
         agent="agents.rag:agent",
         tasks="agents.rag:load_tasks",
         registered_model="lightning-rag",
+        rollout_timeout_s=600.0,
         tool_format="line",
         # The reward is 0.1 * format + 0.9 * F1: at least 0.9 means the answer is right.
         success_threshold=0.9,

@@ -78,7 +78,9 @@ def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> N
         prefect("work-pool", "create", "lightning-process", "--type", "process")
         prefect("gcl", "create", "gpu", "--limit", "1")
         deployed = prefect("deploy", "--all", "--no-prompt")
-        assert "train/calc" in deployed.stdout and "evaluate/calc-champion" in deployed.stdout
+        for name in ("calc", "sql", "rag"):
+            assert f"train/{name}" in deployed.stdout
+            assert f"evaluate/{name}-champion" in deployed.stdout
         worker = subprocess.Popen(
             [*PREFECT, "worker", "start", "--pool", "lightning-process"],
             env=env,

@@ -1,0 +1,395 @@
+"""The rag agent: its corpus, search, questions and reward; the Agents SDK loop against a scripted
+endpoint; and the agent end to end against the gateway (SmolLM2, line tool format) under the real
+Runner."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import threading
+from typing import Any
+
+import pytest
+from countryinfo import CountryInfo
+from fastapi import FastAPI, Request
+
+from agents.rag import load_tasks
+from agents.rag.agent import MAX_TURNS, model_settings, solve
+from agents.rag.corpus import by_name, countries, documents
+from agents.rag.data import countries_in_test
+from agents.rag.languages import LANGUAGE_NAMES
+from agents.rag.retrieval import MAX_DOC_CHARS, ranked, search
+from agents.rag.reward import answer_reward, extract_answer, f1_score
+from agents.rag.sdk import load_sdk
+from lightning_core import semconv
+from lightning_core.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.backends.transformers_backend import TransformersBackend
+from lightning_core.gateway.service import Gateway, GatewayConfig
+from lightning_core.models import DEFAULT_MODEL
+from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.store.server import create_app
+from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
+from tests.conftest import ThreadedServer
+
+# --- corpus and search ------------------------------------------------------------------------
+
+
+def test_corpus_has_one_document_per_country_with_its_facts():
+    docs = documents()
+    assert 230 <= len(docs) <= 256
+    assert len({d.title for d in docs}) == len(docs) == len(countries())
+    assert all("Its capital is" in d.text for d in docs)
+    france = next(d.text for d in docs if d.title == "France")
+    for fact in (
+        "Western Europe, a subregion of Europe",
+        "Its capital is Paris",
+        "Population: 66,078,000",
+        "Area: 640,679 km2",
+        "Languages: French",
+        "Currency: EUR",
+        "It borders Andorra, Belgium, Germany, Italy, Luxembourg, Monaco, Spain and Switzerland",
+    ):
+        assert fact in france
+    # Duplicate entries of the data (Burma beside Myanmar) and former states are left out.
+    assert "Myanmar" in by_name() and "Burma" not in by_name()
+    assert "Serbia and Montenegro" not in by_name()
+
+
+@pytest.mark.parametrize("name", ["France", "Kenya", "Brazil", "Mongolia", "Japan", "Switzerland"])
+def test_country_facts_match_the_raw_data(name):
+    raw, mine = CountryInfo(name), by_name()[name]
+    assert (mine.capital, mine.population, mine.area) == (
+        raw.capital(),
+        raw.population(),
+        raw.area(),
+    )
+    assert (mine.region, mine.subregion) == (raw.region(), raw.subregion())
+    assert mine.borders == tuple(sorted(n.name() for n in raw.neighbors()))
+    assert mine.languages == tuple(LANGUAGE_NAMES[c] for c in raw.languages())
+
+
+@pytest.mark.parametrize(
+    ("query", "title"),
+    [
+        ("France", "France"),
+        ("capital of Japan", "Japan"),
+        ("Nairobi", "Kenya"),
+        ("Bogota", "Colombia"),  # accents folded: the document says Bogotá
+        ("Sao Tome and Principe", "São Tomé and Príncipe"),
+        ("Which country has Canberra as its capital?", "Australia"),
+        ("population of Mongolia", "Mongolia"),
+    ],
+)
+def test_bm25_finds_the_country_document(query, title):
+    assert documents()[ranked(query)[0]].title == title
+
+
+def test_search_results_are_bounded_and_nothing_matches_nonsense():
+    results = search("Russia China Mongolia Kazakhstan", k=3)
+    assert len(results) == 3 and all(len(r) <= MAX_DOC_CHARS for r in results)
+    assert search("xyzzy qwerty") == [] and search("") == []
+
+
+# --- questions --------------------------------------------------------------------------------
+
+
+def _raw_country_with_capital(capital: str) -> str:
+    """The one country whose capital this is, from the raw data: entries their own code names,
+    less the former states Serbia and Montenegro (SCG) and the Netherlands Antilles (ANT)."""
+    found = set()
+    for entry in CountryInfo.all().values():
+        cap = entry.get("capital")
+        cap = cap[0] if isinstance(cap, list) and cap else cap
+        code = (entry.get("ISO") or {}).get("alpha3")
+        if code in (None, "SCG", "ANT") or cap != capital:
+            continue
+        if CountryInfo(code).name() == entry["name"]:
+            found.add(entry["name"])
+    assert len(found) == 1, (capital, found)
+    return found.pop()
+
+
+def _largest(name: str, key: str) -> CountryInfo:
+    neighbours = CountryInfo(name).neighbors()
+    values = sorted((getattr(n, key)() for n in neighbours), reverse=True)
+    assert len(values) >= 2 and values[0] != values[1]
+    return max(neighbours, key=lambda n: getattr(n, key)())
+
+
+_RECOMPUTE = {
+    r"In which subregion of the world does (.+) lie\?": lambda x: CountryInfo(x).subregion(),
+    r"Which country has (.+) as its capital\?": _raw_country_with_capital,
+    r"Which language is spoken in the country whose capital is (.+)\?": lambda y: LANGUAGE_NAMES[
+        CountryInfo(_raw_country_with_capital(y)).languages()[0]
+    ],
+    r"Which currency is used in the country whose capital is (.+)\?": lambda y: CountryInfo(
+        _raw_country_with_capital(y)
+    ).currencies()[0],
+    r"(.+) borders exactly one country\. What is the capital of that country\?": lambda x: (
+        CountryInfo(x).neighbors()[0].capital()
+    ),
+    r"Which country bordering (.+) has the largest population\?": lambda x: _largest(
+        x, "population"
+    ).name(),
+    r"What is the capital of the most populous country bordering (.+)\?": lambda x: _largest(
+        x, "population"
+    ).capital(),
+    r"In which region is the largest country by area that borders (.+)\?": lambda x: _largest(
+        x, "area"
+    ).region(),
+    r"Which has the larger population, (.+) or (.+)\?": lambda a, b: max(
+        (a, b), key=lambda n: CountryInfo(n).population()
+    ),
+    # Last: the pattern also matches the neighbour questions above.
+    r"What is the capital of (.+)\?": lambda x: CountryInfo(x).capital(),
+}
+
+
+def _recompute(question: str) -> str:
+    for pattern, answer in _RECOMPUTE.items():  # in order: the first match wins
+        match = re.fullmatch(pattern, question)
+        if match:
+            return answer(*match.groups())
+    raise AssertionError(f"no known pattern: {question}")
+
+
+def test_gold_answers_agree_with_the_raw_data():
+    tasks = load_tasks("train", 10_000) + load_tasks("test", 10_000)
+    kinds = {t["kind"] for t in tasks}
+    assert len(kinds) == 10
+    for task in tasks:
+        assert _recompute(task["question"]) == task["answer"], task
+
+
+def test_splits_are_fixed_disjoint_and_mixed():
+    train, test = load_tasks("train", 10_000), load_tasks("test", 10_000)
+    assert len(train) > 1000 and len(test) > 250
+    assert load_tasks("test", 40) == test[:40]  # fixed order: a smaller size is a prefix
+    assert not {t["question"] for t in train} & {t["question"] for t in test}
+    assert len({t["id"] for t in train + test}) == len(train) + len(test)
+    # By country: the country a test question is about is never a train question's subject.
+    subject = lambda t: t["id"].rsplit("-", 1)[1]  # noqa: E731
+    assert {subject(t) for t in test} <= countries_in_test()
+    assert not {subject(t) for t in train} & countries_in_test()
+    # No task is about a country of the agent's worked examples (Poland, Portugal).
+    assert not {subject(t) for t in train + test} & {"POL", "PRT"}
+    assert {t["hops"] for t in test[:40]} == {1, 2, 3}
+    assert set(train[0]) == {"id", "question", "answer", "hops", "kind"}
+    assert {t["hops"] for t in load_tasks("test", 500, "multi_hop")} == {2, 3}
+    assert {t["hops"] for t in load_tasks("test", 500, "single_hop")} == {1}
+
+
+def test_task_loader_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="split"):
+        load_tasks("dev", 10)
+    with pytest.raises(ValueError, match="source"):
+        load_tasks("train", 10, "trivia")
+    with pytest.raises(ValueError, match="size"):
+        load_tasks("train", 0)
+
+
+# --- reward -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "gold", "reward"),
+    [
+        ("ANSWER: Paris", "Paris", 1.0),  # exact
+        ("ANSWER: the paris.", "Paris", 1.0),  # articles, case, punctuation normalised
+        ("ANSWER: Bogota", "Bogotá", 1.0),  # accents folded
+        ("ANSWER: Europe", "Western Europe", 0.1 + 0.9 * (2 / 3)),  # partial overlap
+        ("ANSWER: The capital is Paris", "Paris", 0.1 + 0.9 * 0.5),  # extra words
+        ("ANSWER: Lyon", "Paris", 0.1),  # wrong answer, right format
+        ("ANSWER:", "Paris", 0.0),  # empty answer
+        ("", "Paris", 0.0),
+        (None, "Paris", 0.0),
+        ("The capital of France is Paris, I think.", "Paris", 0.0),  # rambling, no marker
+        ("SEARCH: France\nANSWER: Paris\nThat is all.", "Paris", 1.0),  # the answer line only
+        ("answer: Lyon\nANSWER: Paris", "Paris", 1.0),  # the last marker counts
+    ],
+)
+def test_reward_is_format_plus_f1(text, gold, reward):
+    assert answer_reward(text, gold) == pytest.approx(reward)
+
+
+def test_answer_extraction_and_f1():
+    assert extract_answer("ANSWER: **Madrid**") == "Madrid"
+    assert extract_answer("ANSWER:   \nnext") is None
+    assert f1_score("Sub-Saharan Africa", "Sub Saharan Africa") == 1.0
+    assert f1_score("", "Paris") == 0.0
+
+
+# --- the Agents SDK loop against a scripted endpoint ------------------------------------------
+
+
+def test_the_sdk_loads_beside_this_projects_agents_package():
+    import agents
+
+    sdk = load_sdk()
+    assert hasattr(sdk, "Runner") and hasattr(sdk, "OpenAIChatCompletionsModel")
+    assert hasattr(agents, "rag")  # `agents` is still this project's package
+    if sdk.__name__ != "agents":
+        # The SDK's absolute imports (`agents.model_settings`) get the same modules, no copies.
+        import agents.model_settings as absolute
+
+        assert absolute is sys.modules[f"{sdk.__name__}.model_settings"]
+
+
+def test_model_settings_come_from_the_endpoints_sampling():
+    llm = LLMEndpoint(base_url="http://x/v1", model="m", sampling={"temperature": 0, "seed": 3})
+    settings = model_settings(llm)
+    assert (settings.temperature, settings.max_tokens) == (0, 32)
+    assert settings.extra_args == {"seed": 3, "stop": ["\n"]}  # one line per reply
+
+
+def _scripted_endpoint(requests: list[dict[str, Any]]) -> FastAPI:
+    """Chat Completions that search for France, then answer; "forever" questions never answer."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        body["agent_header"] = request.headers.get("x-lightning-agent")
+        requests.append(body)
+        last = body["messages"][-1]
+        question = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+        forever = "forever" in question
+        if last["role"] == "tool" and not forever:
+            message = {"role": "assistant", "content": "ANSWER: Paris"}
+        else:
+            call = {"name": "search", "arguments": json.dumps({"query": "France"})}
+            call_id = f"call_{len(requests)}"
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+            }
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        return {
+            "id": f"chatcmpl-{len(requests)}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
+    return app
+
+
+async def test_agent_searches_then_answers_and_stops_after_max_turns():
+    requests: list[dict[str, Any]] = []
+    with ThreadedServer(_scripted_endpoint(requests)) as server:
+        llm = LLMEndpoint(base_url=f"{server.url}/v1", model="policy", sampling={"temperature": 0})
+        assert await solve("What is the capital of France?", llm) == "ANSWER: Paris"
+        first, second = requests
+        assert first["agent_header"] == "rag" and first["temperature"] == 0
+        assert first["stop"] == ["\n"] and "store" not in first
+        assert [t["function"]["name"] for t in first["tools"]] == ["search"]
+        assert first["messages"][0]["role"] == "system"
+        # The search result went back to the model as the tool's message.
+        assert "Its capital is Paris" in second["messages"][-1]["content"]
+        requests.clear()
+        assert await solve("Search forever?", llm) == ""  # out of turns: no answer
+        assert len(requests) == MAX_TURNS
+
+
+# --- the agent through the gateway ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_server():
+    store = DuckDBStore(db=":memory:")
+    backend = TransformersBackend()
+    gateway = Gateway(backend, store, GatewayConfig(tool_format="line"))
+    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
+        running.model = backend.base_model
+        yield running
+
+
+class _OnlyLoopback:
+    """Records every name lookup and connection to a host other than this machine."""
+
+    def __init__(self) -> None:
+        self.outside: list[str] = []
+        self._lock = threading.Lock()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        lookup, connect = socket.getaddrinfo, socket.socket.connect
+
+        def getaddrinfo(host, *args, **kwargs):
+            self._check(host)
+            return lookup(host, *args, **kwargs)
+
+        def guarded_connect(sock, address):
+            if isinstance(address, tuple):
+                self._check(address[0])
+            return connect(sock, address)
+
+        monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+        monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+
+    def _check(self, host: Any) -> None:
+        if isinstance(host, bytes):
+            host = host.decode()
+        if host not in (None, "localhost", "127.0.0.1", "::1"):
+            with self._lock:
+                self.outside.append(str(host))
+
+
+def _final_text(call_span: Any) -> str | None:
+    """The last LLM call's reply, or None when it was a tool call (the agent ran out of turns)."""
+    messages = json.loads(call_span.attributes["gen_ai.output.messages"])
+    message = messages[0] if isinstance(messages, list) else messages
+    return None if message.get("tool_calls") else message.get("content") or ""
+
+
+async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkeypatch):
+    """Greedy SmolLM2 on a one-hop and a multi-hop question: searches in the line format come
+    back to the SDK as tool calls, the tool runs, the reply is scored; every LLM call is a
+    transition of agent 'rag' with exact token ids, and nothing reaches past this machine."""
+    from agents.rag import agent
+
+    guard = _OnlyLoopback()
+    guard.install(monkeypatch)
+    url = smollm2_server.url
+    tasks = [
+        {"id": "a", "question": "What is the capital of Japan?", "answer": "Tokyo", "hops": 1},
+        load_tasks("test", 1, "multi_hop")[0],
+    ]
+    async with HttpStoreClient(url) as store:
+        queued = await store.enqueue_rollouts(
+            [
+                RolloutRequest(input=t, task_id=t["id"], metadata={"sampling": {"temperature": 0}})
+                for t in tasks
+            ]
+        )
+        ids = [r.rollout_id for r in queued]
+        # One rollout at a time: two generations in parallel crowd a 2-core CPU (2-3x slower).
+        config = RunnerConfig(concurrency=1, default_model=DEFAULT_MODEL)
+        runner = Runner(agent, store, url, config)
+        done = await runner.run_until_done(ids, timeout=180)
+        assert [r.status for r in done] == [RolloutStatus.succeeded] * 2
+        spans = await store.query_spans(ids, "latest")
+    assert guard.outside == []
+    searched = 0
+    for rollout, task in zip(done, tasks, strict=True):
+        mine = [s for s in spans if s.rollout_id == rollout.rollout_id]
+        tools = [s for s in mine if s.name == semconv.TOOL_SPAN]
+        calls = sorted(
+            (s for s in mine if semconv.PROMPT_TOKEN_IDS in s.attributes),
+            key=lambda s: s.start_time,
+        )
+        assert 1 <= len(calls) <= MAX_TURNS
+        assert len(tools) == len(calls) - (_final_text(calls[-1]) is not None)
+        searched += len(tools)
+        transitions = spans_to_transitions(mine, rollout, AdapterConfig())
+        assert [t.agent_name for t in transitions] == ["rag"] * len(calls)
+        final = _final_text(calls[-1])
+        expected = 0.0 if final is None else answer_reward(final, task["answer"])
+        assert rollout.final_reward == pytest.approx(expected)
+    assert searched, "the agent never searched"
