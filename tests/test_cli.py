@@ -23,7 +23,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "flows.cli", *args],
         capture_output=True,
         text=True,
-        timeout=60,
+        # Generous: `train` imports torch, Prefect and MLflow, slow on a busy 2-core machine.
+        timeout=180,
         env=env,
     )
 
