@@ -393,3 +393,33 @@ async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkey
         expected = 0.0 if final is None else answer_reward(final, task["answer"])
         assert rollout.final_reward == pytest.approx(expected)
     assert searched, "the agent never searched"
+
+
+async def test_rag_agent_runs_on_the_tiny_model():
+    """The tiny random model through the gateway: whatever it writes, the rollout succeeds,
+    each LLM call is a transition of agent 'rag', and the reward is what the reward function
+    gives the last reply (a random model never searches, so nothing else is asked of it)."""
+    from agents.rag import agent
+
+    store = DuckDBStore(db=":memory:")
+    backend = TransformersBackend(model="tiny")
+    gateway = Gateway(backend, store, GatewayConfig(tool_format="line"))
+    task = load_tasks("test", 1, "multi_hop")[0]
+    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as server:
+        async with HttpStoreClient(server.url) as client:
+            [queued] = await client.enqueue_rollouts(
+                [RolloutRequest(input=task, metadata={"sampling": {"temperature": 0}})]
+            )
+            config = RunnerConfig(default_model=backend.base_model)
+            runner = Runner(agent, client, server.url, config)
+            [done] = await runner.run_until_done([queued.rollout_id], timeout=120)
+            spans = await client.query_spans([queued.rollout_id], "latest")
+    assert done.status is RolloutStatus.succeeded
+    calls = sorted(
+        (s for s in spans if semconv.PROMPT_TOKEN_IDS in s.attributes), key=lambda s: s.start_time
+    )
+    transitions = spans_to_transitions(spans, done, AdapterConfig())
+    assert calls and [t.agent_name for t in transitions] == ["rag"] * len(calls)
+    final = _final_text(calls[-1])
+    expected = 0.0 if final is None else answer_reward(final, task["answer"])
+    assert done.final_reward == pytest.approx(expected)
