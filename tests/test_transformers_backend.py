@@ -362,6 +362,7 @@ async def test_abandoned_requests_leave_the_batch(backend, reference, prompts):
     assert choice.token_ids == hf_greedy(reference, prompts[2])
     with pytest.raises(asyncio.CancelledError):
         await abandoned
+
     def busy() -> tuple[int, int]:
         stats = backend.stats()
         return stats["running"], stats["waiting"]
