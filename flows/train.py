@@ -46,25 +46,23 @@ from tasks.training import ensure_gpu_limit, publish_policy, train_policy
 _D = TrainConfig()
 
 
-def _task_runner(config: TrainConfig) -> Any:
-    """The task runner the rollout fan-out uses."""
+def _cluster_runner(config: TrainConfig) -> Any:
+    """The Ray or Dask task runner a cluster fan-out uses."""
     if config.task_runner == "ray":
         from prefect_ray import RayTaskRunner
 
         return RayTaskRunner(address=config.task_runner_address)
-    if config.task_runner == "dask":
-        from prefect_dask import DaskTaskRunner
+    from prefect_dask import DaskTaskRunner
 
-        return DaskTaskRunner(address=config.task_runner_address)
-    return ThreadPoolTaskRunner(max_workers=config.rollout_workers)
+    return DaskTaskRunner(address=config.task_runner_address)
 
 
 def _fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, int]]:
-    """run-rollouts mapped over the workers, on the configured task runner."""
+    """run-rollouts mapped over the workers: on the flow's thread pool, or a cluster's runner."""
     if config.task_runner == "threads":
         futures = run_rollouts.map(**parameters)
         return [f.result() for f in futures]
-    with _task_runner(config) as runner:
+    with _cluster_runner(config) as runner:
         futures = runner.map(run_rollouts, parameters)
         return [f.result() for f in futures]
 
