@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -53,6 +54,21 @@ class ThreadedServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=20)
+
+
+@contextlib.contextmanager
+def gateway_server(tool_format: str = "line", **backend_options: Any) -> Iterator[ThreadedServer]:
+    """A store + gateway + transformers backend on loopback, for agents to run against; the
+    served base model's name is `.model`."""
+    from lightning_core.backends.transformers_backend import TransformersBackend
+    from lightning_core.gateway.service import Gateway, GatewayConfig
+
+    store = DuckDBStore(db=":memory:")
+    backend = TransformersBackend(**backend_options)
+    gateway = Gateway(backend, store, GatewayConfig(tool_format=tool_format))
+    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
+        running.model = backend.base_model
+        yield running
 
 
 @pytest.fixture(params=["inprocess", "http"])

@@ -10,16 +10,12 @@ from agents.calc.calculator import CalculatorError, evaluate, format_number
 from agents.calc.reward import answer_reward, extract_answer
 from lightning_core import semconv
 from lightning_core.adapter import AdapterConfig, spans_to_transitions
-from lightning_core.backends.transformers_backend import TransformersBackend
-from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.models import DEFAULT_MODEL
 from lightning_core.rewards import AIRRule
 from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
-from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 from lightning_core.types import RolloutRequest, RolloutStatus
-from tests.conftest import ThreadedServer
+from tests.conftest import gateway_server
 
 # --- calculator -------------------------------------------------------------------------------
 
@@ -120,11 +116,7 @@ def test_reward_is_one_only_for_the_right_answer():
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    store = DuckDBStore(db=":memory:")
-    backend = TransformersBackend()
-    gateway = Gateway(backend, store, GatewayConfig(tool_format="line"))
-    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
-        running.model = backend.base_model
+    with gateway_server(tool_format="line") as running:
         yield running
 
 

@@ -25,15 +25,11 @@ from agents.rag.reward import answer_reward, extract_answer, f1_score
 from agents.rag.sdk import load_sdk
 from lightning_core import semconv
 from lightning_core.adapter import AdapterConfig, spans_to_transitions
-from lightning_core.backends.transformers_backend import TransformersBackend
-from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.models import DEFAULT_MODEL
 from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
-from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
-from tests.conftest import ThreadedServer
+from tests.conftest import ThreadedServer, gateway_server
 
 # --- corpus and search ------------------------------------------------------------------------
 
@@ -303,11 +299,7 @@ async def test_agent_searches_then_answers_and_stops_after_max_turns():
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    store = DuckDBStore(db=":memory:")
-    backend = TransformersBackend()
-    gateway = Gateway(backend, store, GatewayConfig(tool_format="line"))
-    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
-        running.model = backend.base_model
+    with gateway_server(tool_format="line") as running:
         yield running
 
 
@@ -401,16 +393,13 @@ async def test_rag_agent_runs_on_the_tiny_model():
     gives the last reply (a random model never searches, so nothing else is asked of it)."""
     from agents.rag import agent
 
-    store = DuckDBStore(db=":memory:")
-    backend = TransformersBackend(model="tiny")
-    gateway = Gateway(backend, store, GatewayConfig(tool_format="line"))
     task = load_tasks("test", 1, "multi_hop")[0]
-    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as server:
+    with gateway_server(model="tiny") as server:
         async with HttpStoreClient(server.url) as client:
             [queued] = await client.enqueue_rollouts(
                 [RolloutRequest(input=task, metadata={"sampling": {"temperature": 0}})]
             )
-            config = RunnerConfig(default_model=backend.base_model)
+            config = RunnerConfig(default_model=server.model)
             runner = Runner(agent, client, server.url, config)
             [done] = await runner.run_until_done([queued.rollout_id], timeout=120)
             spans = await client.query_spans([queued.rollout_id], "latest")

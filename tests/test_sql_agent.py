@@ -29,14 +29,10 @@ from agents.sql.sql_text import NotAQuery, extract_sql, read_only_statement
 from agents.sql.tool import SQLError, format_result, run_sql
 from lightning_core import semconv
 from lightning_core.adapter import AdapterConfig, spans_to_transitions
-from lightning_core.backends.transformers_backend import TransformersBackend
-from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
-from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
-from tests.conftest import ThreadedServer
+from tests.conftest import gateway_server
 
 # --- databases --------------------------------------------------------------------------------
 
@@ -418,11 +414,7 @@ def test_each_role_gets_its_own_client_with_its_name_and_the_sampling():
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    store = DuckDBStore(db=":memory:")
-    backend = TransformersBackend(model="tiny", device="cpu")
-    gateway = Gateway(backend, store, GatewayConfig(tool_format="auto"))
-    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
-        running.model = backend.base_model
+    with gateway_server(tool_format="auto", model="tiny", device="cpu") as running:
         yield running
 
 
