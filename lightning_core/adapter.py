@@ -12,9 +12,11 @@ are left out, and rewards that follow them go to the last kept call before them.
 
 from __future__ import annotations
 
+import orjson
 from pydantic import BaseModel, Field
 
 from lightning_core import semconv
+from lightning_core.backends.base import Constraint
 from lightning_core.rewards import AIRRule, air_reward
 from lightning_core.types import Rollout, Span, Transition
 
@@ -42,9 +44,18 @@ def _is_call(span: Span) -> bool:
     return semconv.PROMPT_TOKEN_IDS in span.attributes
 
 
+def _constraint(attributes: dict) -> Constraint | None:
+    kind = attributes.get(semconv.CONSTRAINT)
+    if kind is None:
+        return None
+    schema = attributes.get(semconv.CONSTRAINT_SCHEMA)
+    return Constraint(kind=kind, json_schema=orjson.loads(schema) if schema else None)
+
+
 def _call_transitions(span: Span) -> list[Transition]:
     a = span.attributes
     count = int(a.get(semconv.RESPONSE_COUNT, 0))
+    constraint = _constraint(a)
     return [
         Transition(
             rollout_id=span.rollout_id,
@@ -55,6 +66,7 @@ def _call_transitions(span: Span) -> list[Transition]:
             response_token_ids=list(a[semconv.RESPONSE.format(i=i, key="token_ids")]),
             response_logprobs=list(a.get(semconv.RESPONSE.format(i=i, key="logprobs"), [])),
             policy_version=a.get(semconv.POLICY_VERSION),
+            output_constraint=constraint,
         )
         for i in range(count)
     ]

@@ -69,9 +69,9 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
+    from lightning_core.app import create_app
     from lightning_core.settings import ServeSettings
     from lightning_core.store.duckdb_store import DuckDBStore
-    from lightning_core.store.server import create_app
 
     flags = {
         "host": host,

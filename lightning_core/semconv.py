@@ -20,6 +20,12 @@ PROMPT_TOKEN_IDS = "lightning.prompt_token_ids"
 RESPONSE = "lightning.response.{i}.{key}"
 RESPONSE_COUNT = "lightning.response.count"
 POLICY_VERSION = "lightning.policy_version"
+# The client API a call came in through (chat.completions, completions, responses, messages).
+API = "lightning.api"
+# Set when the call's output was constrained to a grammar (json_object or json_schema).
+CONSTRAINT = "lightning.constraint"
+# Its JSON schema (json_schema only), as JSON text: the trainer replays the grammar from it.
+CONSTRAINT_SCHEMA = "lightning.constraint.json_schema"
 AGENT_NAME = "lightning.agent_name"
 # The header (or request metadata key) an agent names itself with in a multi-agent system.
 AGENT_HEADER = "X-Lightning-Agent"

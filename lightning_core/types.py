@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightning_core.backends.base import Constraint
 from lightning_core.errors import IllegalTransition
 
 # Rewards must be real numbers: a NaN or an infinity poisons every mean it enters.
@@ -217,6 +218,11 @@ class Transition(_Model):
     reward: FiniteFloat = 0.0
     advantage: FiniteFloat | None = None
     policy_version: str | None = None
+    output_constraint: Constraint | None = Field(
+        None,
+        description="The grammar the response was decoded under (structured outputs); its "
+        "logprobs are those of the masked distribution, and training masks the same way.",
+    )
 
 
 class PolicyVersion(_Model):

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import uvicorn
 
+from lightning_core.app import create_app
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 

@@ -6,9 +6,11 @@ was trained (a few seconds of AdamW on one example) to answer one tools prompt w
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
+import orjson
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,3 +86,50 @@ def scaled_tiny_model(folder: Path, factor: float) -> Path:
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_model_dir()).save_pretrained(folder)
     return folder
+
+
+def answering_model(examples: list[tuple[list[int], str]], steps: int = 300) -> Path:
+    """The tiny model, trained to answer each prompt (token ids, as a span recorded them) with
+    its text, greedily; built once per set of examples into the cache, keyed by their hash.
+
+    For clients whose prompts the test cannot write by hand (an agent framework's own
+    instructions and tool schemas): run the client once, take the prompt from its span, train.
+    """
+    key = hashlib.sha256(orjson.dumps(examples)).hexdigest()[:16]
+    target_dir = cache_dir() / "models" / f"tiny-answerer-{key}"
+    with _building(target_dir) as scratch:
+        if scratch is not None:
+            _train_answers(scratch, examples, steps)
+    return target_dir
+
+
+def _train_answers(folder: Path, examples: list[tuple[list[int], str]], steps: int) -> None:
+    shutil.copytree(tiny_model_dir(), folder, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    pairs = [(p, [*encode(tokenizer, text), tokenizer.eos_token_id]) for p, text in examples]
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        loss = sum(
+            model(
+                input_ids=torch.tensor([prompt + target]),
+                labels=torch.tensor([[-100] * len(prompt) + target]),
+            ).loss
+            for prompt, target in pairs
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.02 * len(pairs):
+            break
+    model.eval()
+    with torch.inference_mode():
+        for prompt, target in pairs:
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False
+            )
+            if out[0, len(prompt) :].tolist() != target:
+                raise RuntimeError(f"the answering test model did not learn its answers ({loss})")
+    model.save_pretrained(folder)

@@ -14,10 +14,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from lightning_core import semconv
+from lightning_core.app import create_app
 from lightning_core.backends.transformers_backend import TransformersBackend
 from lightning_core.gateway.service import Gateway
 from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 from tests.conftest import ThreadedServer
 from tests.models import TOOL_CALL_TEXT, TOOL_QUESTION, TOOLS, tool_calling_model
 

@@ -43,3 +43,37 @@ def test_agents_import_only_tracing_from_lightning_core():
                 assert top not in ("tasks", "flows", "prefect", "mlflow"), f"{path}: {name}"
                 if top == "lightning_core":
                     assert name == "lightning_core.tracing", f"{path}: {name}"
+
+
+def _imports(folder: Path) -> list[tuple[Path, str]]:
+    found = []
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.append((path, node.module))
+            elif isinstance(node, ast.Import):
+                found += [(path, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_store_does_not_import_the_gateway():
+    for path, name in _imports(ROOT / "lightning_core" / "store"):
+        assert not name.startswith(("lightning_core.gateway", "lightning_core.app")), (
+            f"{path}: {name}"
+        )
+    # Nor through anything it imports: loading the store's server leaves the gateway unloaded.
+    code = (
+        "import sys, lightning_core.store.server, lightning_core.store.client\n"
+        "print(','.join(sorted(m for m in sys.modules if m.startswith('lightning_core.gateway'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
+
+
+def test_the_gateway_knows_the_store_only_by_its_protocol():
+    for path, name in _imports(ROOT / "lightning_core" / "gateway"):
+        if name.startswith("lightning_core.store"):
+            assert name == "lightning_core.store.base", f"{path}: {name}"

@@ -239,39 +239,51 @@ def test_model_settings_come_from_the_endpoints_sampling():
     llm = LLMEndpoint(base_url="http://x/v1", model="m", sampling={"temperature": 0, "seed": 3})
     settings = model_settings(llm)
     assert (settings.temperature, settings.max_tokens) == (0, 32)
-    assert settings.extra_args == {"seed": 3, "stop": ["\n"]}  # one line per reply
+    assert settings.extra_body == {"seed": 3, "stop": ["\n"]}  # one line per reply
 
 
 def _scripted_endpoint(requests: list[dict[str, Any]]) -> FastAPI:
-    """Chat Completions that search for France, then answer; "forever" questions never answer."""
+    """Responses that search for France, then answer; "forever" questions never answer."""
     app = FastAPI()
 
-    @app.post("/v1/chat/completions")
-    async def complete(request: Request) -> dict[str, Any]:
+    @app.post("/v1/responses")
+    async def respond(request: Request) -> dict[str, Any]:
         body = await request.json()
         body["agent_header"] = request.headers.get("x-lightning-agent")
         requests.append(body)
-        last = body["messages"][-1]
-        question = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+        last = body["input"][-1]
+        question = [m for m in body["input"] if m.get("role") == "user"][-1]["content"]
         forever = "forever" in question
-        if last["role"] == "tool" and not forever:
-            message = {"role": "assistant", "content": "ANSWER: Paris"}
+        if last.get("type") == "function_call_output" and not forever:
+            text = {"type": "output_text", "text": "ANSWER: Paris", "annotations": []}
+            item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed"}
+            output = {**item, "content": [text]}
         else:
-            call = {"name": "search", "arguments": json.dumps({"query": "France"})}
-            call_id = f"call_{len(requests)}"
-            message = {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+            output = {
+                "id": f"fc_{len(requests)}",
+                "type": "function_call",
+                "call_id": f"call_{len(requests)}",
+                "name": "search",
+                "arguments": json.dumps({"query": "France"}),
+                "status": "completed",
             }
-        finish = "tool_calls" if message.get("tool_calls") else "stop"
         return {
-            "id": f"chatcmpl-{len(requests)}",
-            "object": "chat.completion",
-            "created": 0,
+            "id": f"resp_{len(requests)}",
+            "object": "response",
+            "created_at": 0,
+            "status": "completed",
             "model": body["model"],
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            "output": [output],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": body["tools"],
+            "usage": {
+                "input_tokens": 1,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": 1,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 2,
+            },
         }
 
     return app
@@ -284,11 +296,13 @@ async def test_agent_searches_then_answers_and_stops_after_max_turns():
         assert await solve("What is the capital of France?", llm) == "ANSWER: Paris"
         first, second = requests
         assert first["agent_header"] == "rag" and first["temperature"] == 0
-        assert first["stop"] == ["\n"] and "store" not in first
-        assert [t["function"]["name"] for t in first["tools"]] == ["search"]
-        assert first["messages"][0]["role"] == "system"
-        # The search result went back to the model as the tool's message.
-        assert "Its capital is Paris" in second["messages"][-1]["content"]
+        assert first["max_output_tokens"] == 32 and first["stop"] == ["\n"]
+        assert "store" not in first and "previous_response_id" not in first
+        assert [t["name"] for t in first["tools"]] == ["search"]
+        assert first["instructions"].startswith("You answer questions about countries.")
+        # The search result went back to the model as the tool call's output.
+        assert second["input"][-1]["type"] == "function_call_output"
+        assert "Its capital is Paris" in second["input"][-1]["output"]
         requests.clear()
         assert await solve("Search forever?", llm) == ""  # out of turns: no answer
         assert len(requests) == MAX_TURNS
@@ -334,10 +348,14 @@ class _OnlyLoopback:
 
 
 def _final_text(call_span: Any) -> str | None:
-    """The last LLM call's reply, or None when it was a tool call (the agent ran out of turns)."""
+    """The last LLM call's reply, or None when it was a tool call (the agent ran out of turns);
+    "" when it was cut at the token limit (the SDK refuses an incomplete response: no answer)."""
     messages = json.loads(call_span.attributes["gen_ai.output.messages"])
     message = messages[0] if isinstance(messages, list) else messages
-    return None if message.get("tool_calls") else message.get("content") or ""
+    if message.get("tool_calls"):
+        return None
+    cut = call_span.attributes[semconv.RESPONSE.format(i=0, key="finish_reason")] == "length"
+    return "" if cut else message.get("content") or ""
 
 
 async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkeypatch):

@@ -15,10 +15,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from lightning_core import semconv
+from lightning_core.app import create_app
 from lightning_core.errors import Unauthorized
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 from lightning_core.types import RolloutStatus
 from tests.conftest import ThreadedServer
 

@@ -8,10 +8,10 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from lightning_core import semconv, tracing
+from lightning_core.app import create_app
 from lightning_core.errors import InvalidInput
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 from lightning_core.types import RolloutRequest
 from tests.conftest import ThreadedServer
 

@@ -4,6 +4,7 @@ batching, the KV cache we manage and the mixed-adapter batches must change nothi
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_core.backends.base import Backend, GenerationRequest, SamplingParams
+from lightning_core.backends.base import Backend, Constraint, GenerationRequest, SamplingParams
 from lightning_core.backends.transformers_backend import TransformersBackend
 from lightning_core.errors import InvalidInput, NotFound
 from tests.models import scaled_tiny_model
@@ -43,7 +44,7 @@ def reference(model_dir: Path) -> AutoModelForCausalLM:
 @pytest.fixture(scope="module")
 def backend(model_dir: Path) -> Iterator[TransformersBackend]:
     # CPU and float32 even where CUDA is present: the comparisons below are exact.
-    served = TransformersBackend(str(model_dir), device="cpu")
+    served = TransformersBackend(model=str(model_dir), device="cpu")
     yield served
     asyncio.run(served.close())
 
@@ -229,7 +230,7 @@ async def test_eos_ends_and_is_included(model_dir, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     expected = hf_greedy(model, prompt, 10)
     assert eos in expected
-    served = TransformersBackend(str(tmp_path), device="cpu")
+    served = TransformersBackend(model=str(tmp_path), device="cpu")
     try:
         [choice] = await served.generate(greedy(prompt, max_new_tokens=10))
     finally:
@@ -279,7 +280,7 @@ async def test_stream_concatenates_to_the_generated_completion(backend, prompts)
 
 
 async def test_clear_errors(backend, prompts):
-    with pytest.raises(ValueError, match="n must be 1"):
+    with pytest.raises(InvalidInput, match="n must be 1"):
         backend.stream(GenerationRequest(prompt_token_ids=prompts[0], n=2))
     with pytest.raises(InvalidInput, match="2000 tokens \\+ max_new_tokens 100 = 2100"):
         await backend.generate(greedy([5] * 2000, max_new_tokens=100))
@@ -375,7 +376,7 @@ async def test_abandoned_requests_leave_the_batch(backend, reference, prompts):
 
 
 async def test_requests_beyond_max_batch_size_wait_for_a_row(model_dir, reference, prompts):
-    served = TransformersBackend(str(model_dir), device="cpu", max_batch_size=2)
+    served = TransformersBackend(model=str(model_dir), device="cpu", max_batch_size=2)
     try:
         requests = [greedy(p, max_new_tokens=10 + 3 * i) for i, p in enumerate(prompts * 2)]
         results = await asyncio.gather(*(served.generate(r) for r in requests))
@@ -407,8 +408,8 @@ async def test_churn_of_requests_joining_and_leaving(backend, reference, prompts
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_cuda(model_dir, reference, prompts):
-    exact = TransformersBackend(str(model_dir), device="cuda", dtype="float32")
-    fast = TransformersBackend(str(model_dir), device="cuda")
+    exact = TransformersBackend(model=str(model_dir), device="cuda", dtype="float32")
+    fast = TransformersBackend(model=str(model_dir), device="cuda")
     try:
         assert fast.dtype == torch.bfloat16
         [choice] = await exact.generate(greedy(prompts[0]))
@@ -453,3 +454,98 @@ async def test_shared_prefixes_are_prefilled_once_and_change_nothing(
             assert choice.token_ids == hf_greedy(peft_reference, prompt, 12)
     finally:
         await backend.unload_adapter("prefix-lora")
+
+
+# Every field bounded, so a random walk through the grammar ends within a few dozen tokens.
+SIZE_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+    "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+
+
+def masked_logprobs(model, compiler, constraint, prompt: list[int], completion: list[int]):
+    """full_forward_logprobs at temperature 1 with each position's grammar mask recomputed by a
+    fresh matcher: the distribution a constrained completion was sampled from."""
+    from lightning_core.backends.grammar import allowed_tokens
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(completion) - 1]
+    matcher = compiler.matcher(constraint)
+    rows = []
+    for position, token in enumerate(completion):
+        allowed = allowed_tokens([matcher], logits.shape[-1], logits.device)[0]
+        rows.append(torch.log_softmax(logits[position].masked_fill(~allowed, -torch.inf), -1))
+        matcher.accept(token)
+    return torch.stack(rows)
+
+
+async def test_constrained_sampling_writes_json_with_the_masked_logprobs(
+    backend, reference, prompts
+):
+    pytest.importorskip("llguidance")
+    from lightning_core.backends.grammar import GrammarCompiler
+
+    any_object = Constraint(kind="json_object")
+    sizes = Constraint(kind="json_schema", json_schema=SIZE_SCHEMA)
+
+    def constrained(prompt, constraint, n, temperature=1.0, seed=None, max_new_tokens=40):
+        params = SamplingParams(
+            temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, constraint=constraint
+        )
+        return GenerationRequest(prompt_token_ids=prompt, params=params, n=n)
+
+    # On a random model an object's strings run on; some of 16 walks close it within 40 tokens.
+    requests = [
+        constrained(prompts[0], any_object, n=16, seed=3),
+        constrained(prompts[1], sizes, n=4, seed=1, max_new_tokens=80),
+        constrained(prompts[2], sizes, n=1, temperature=0, max_new_tokens=80),
+    ]
+    free = greedy(prompts[2], top_logprobs=2)
+    *results, [plain] = await asyncio.gather(
+        *(backend.generate(r) for r in requests), backend.generate(free)
+    )
+
+    # The unconstrained row in the same batches is as if alone.
+    assert plain.token_ids == hf_greedy(reference, prompts[2])
+    expected = full_forward_logprobs(reference, prompts[2], plain.token_ids, 1.0)
+    picked = expected.gather(1, torch.tensor(plain.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(plain.logprobs), picked, atol=1e-4, rtol=0)
+
+    compiler = GrammarCompiler(backend.tokenizer, reference.get_input_embeddings().num_embeddings)
+    objects = []
+    for request, choices in zip(requests, results, strict=True):
+        constraint = request.params.constraint
+        for choice in choices:
+            expected = masked_logprobs(
+                reference, compiler, constraint, request.prompt_token_ids, choice.token_ids
+            )
+            picked = expected.gather(1, torch.tensor(choice.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(choice.logprobs), picked, atol=1e-4, rtol=0)
+            if choice.finish_reason == "stop":
+                assert choice.token_ids[-1] == backend.tokenizer.eos_token_id
+                text = backend.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+                objects.append((constraint.kind, json.loads(text)))
+            else:
+                assert constraint is any_object and len(choice.token_ids) == 40
+    assert sum(kind == "json_object" for kind, _ in objects) >= 1
+    assert sum(kind == "json_schema" for kind, _ in objects) == 5
+    for kind, value in objects:
+        assert isinstance(value, dict)
+        if kind == "json_schema":
+            assert set(value) == {"ok", "size"}
+            assert isinstance(value["ok"], bool) and value["size"] in ("S", "M", "L")
+
+
+async def test_a_bad_schema_fails_the_request_before_it_runs(backend, prompts):
+    pytest.importorskip("llguidance")
+    for schema in (None, {"type": "object", "properties": {"a": {"type": "no-such-type"}}}):
+        params = SamplingParams(constraint=Constraint(kind="json_schema", json_schema=schema))
+        request = GenerationRequest(prompt_token_ids=prompts[0], params=params)
+        with pytest.raises(InvalidInput, match="schema"):
+            await backend.generate(request)
+        with pytest.raises(InvalidInput, match="schema"):
+            backend.stream(request)
+    assert backend.stats()["waiting"] == 0

@@ -8,6 +8,7 @@ them from a greedy baseline of the same server, so they hold for any model revis
 from __future__ import annotations
 
 import copy
+import json
 import socket
 import sys
 
@@ -15,7 +16,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from lightning_core.backends.base import Backend, GenerationRequest, SamplingParams
+from lightning_core.backends.base import Backend, Constraint, GenerationRequest, SamplingParams
 from lightning_core.backends.vllm_backend import VLLMBackend, VLLMUnavailable
 from lightning_core.backends.vllm_env import vllm_python
 from lightning_core.errors import InvalidInput, NotFound
@@ -228,6 +229,20 @@ async def test_lora_adapter_lifecycle(backend, hf_model, tmp_path):
         await backend.unload_adapter("policy-v1")
     with pytest.raises(InvalidInput, match=r"adapter_config\.json"):
         await backend.load_adapter("nothing", str(folder / "missing"))
+
+
+async def test_json_object_constraint_gives_json(backend):
+    """vLLM's own structured outputs: the ids decode to a JSON object, ended by eos."""
+    request = greedy(
+        chat(backend, "Describe a cat as a JSON object."),
+        300,
+        constraint=Constraint(kind="json_object"),
+    )
+    [choice] = await backend.generate(request)
+    assert choice.finish_reason == "stop"
+    value = json.loads(backend.tokenizer.decode(choice.token_ids, skip_special_tokens=True))
+    assert isinstance(value, dict)
+    assert all(lp <= 0 for lp in choice.logprobs)
 
 
 async def test_attach_to_a_running_server(backend, tmp_path):

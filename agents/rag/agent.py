@@ -3,10 +3,13 @@
 It is plain Agents SDK code pointed at an OpenAI-compatible endpoint; the only lightning-rl API
 it uses is tracing (`emit_tool_result`), which does nothing outside a training rollout. The model
 decides each turn whether to search again or to answer, `ANSWER: <answer>`, within `MAX_TURNS`
-model calls; running out of turns counts as no answer.
+model calls; running out of turns counts as no answer, and so does a reply cut at MAX_TOKENS
+(the SDK refuses an incomplete response).
 
 Three settings make the SDK fit a self-hosted gateway and an offline machine:
-- the Chat Completions model class, because the SDK's default, the Responses API, is not served;
+- the SDK's default model class (the Responses API, which the gateway serves) on a client of
+  the rollout's own endpoint, and sampling keys the Responses API lacks (stop, seed) in the
+  request's body, where the gateway reads them;
 - tracing off for the run: the SDK would otherwise send its traces to OpenAI's servers;
 - two worked examples as ordinary input items before the question, so whichever way the
   gateway renders tool calls, the examples show them that way.
@@ -107,18 +110,21 @@ def _examples() -> list[dict[str, Any]]:
 
 
 def model_settings(llm: Any) -> Any:
-    """The SDK's ModelSettings from the endpoint's sampling (temperature, top_p, max_tokens);
-    other keys (stop, seed) go to the request as they are."""
+    """The SDK's ModelSettings from the endpoint's sampling (temperature, top_p, max_tokens,
+    which the SDK sends as max_output_tokens); other keys (stop, seed) go into the request's
+    body as they are: the Responses API client has no arguments for them."""
     sampling = {k: v for k, v in (getattr(llm, "sampling", None) or {}).items() if v is not None}
     sampling.setdefault("max_tokens", MAX_TOKENS)
     sampling.setdefault("stop", STOP)
     named = {k: sampling.pop(k) for k in _SETTINGS if k in sampling}
-    return sdk.ModelSettings(**named, extra_args=sampling or None)
+    return sdk.ModelSettings(**named, extra_body=sampling or None)
 
 
 def build_agent(llm: Any, client: AsyncOpenAI) -> Any:
-    """The SDK agent: the search tool, on the endpoint's model through Chat Completions."""
-    model = sdk.OpenAIChatCompletionsModel(model=llm.model, openai_client=client)
+    """The SDK agent: the search tool, on the endpoint's model through the Responses API."""
+    # The model class itself, not a name for the SDK's provider to resolve: names of served
+    # models may hold a "/", which the provider reads as a prefix naming another provider.
+    model = sdk.OpenAIResponsesModel(model=llm.model, openai_client=client)
     return sdk.Agent(
         name=AGENT_NAME,
         instructions=INSTRUCTIONS,
@@ -143,7 +149,8 @@ async def solve(question: str, llm: Any) -> str:
             max_turns=MAX_TURNS,
             run_config=run_config,
         )
-    except sdk.MaxTurnsExceeded:
+    except (sdk.MaxTurnsExceeded, sdk.ModelBehaviorError):
+        # Out of turns, or a reply the SDK refuses (cut at MAX_TOKENS: an incomplete response).
         return ""
     finally:
         await client.close()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_core.algo.config import TrainerConfig
+from lightning_core.algo.constrained import GrammarReplay, MaskedSpan, renormalise
 from lightning_core.algo.losses import entropy_from_logits, policy_loss
 from lightning_core.errors import InvalidInput
 from lightning_core.models import resolve_model
@@ -70,6 +71,8 @@ class LoRATrainer:
             self.version = saved["version"]
             torch.set_rng_state(saved["rng"])
         self.pad_id = 0
+        # Constrained calls are renormalised over what their grammar allowed (constrained.py).
+        self._grammar = GrammarReplay(config.model, base.get_input_embeddings().num_embeddings)
 
     # ------------------------------------------------------------------ batching
 
@@ -96,8 +99,9 @@ class LoRATrainer:
             batches.append(current)
         return batches
 
-    def _tensors(self, batch: list[Transition]) -> dict[str, torch.Tensor]:
-        """Right-padded inputs, and per target position: mask, old logprobs, advantage."""
+    def _tensors(self, batch: list[Transition]) -> tuple[dict[str, torch.Tensor], list[MaskedSpan]]:
+        """Right-padded inputs, and per target position: mask, old logprobs, advantage; and the
+        positions of constrained calls with the tokens their grammar allowed."""
         length = max(len(t.prompt_token_ids) + len(t.response_token_ids) for t in batch)
         rows = len(batch)
         ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
@@ -111,6 +115,7 @@ class LoRATrainer:
         mask = torch.zeros((rows, width), dtype=self.dtype)
         old = torch.zeros((rows, width), dtype=torch.float32)
         advantage = torch.zeros((rows, width), dtype=torch.float32)
+        masked: list[MaskedSpan] = []
         for i, t in enumerate(batch):
             seq = t.prompt_token_ids + t.response_token_ids
             ids[i, : len(seq)] = torch.tensor(seq)
@@ -119,16 +124,23 @@ class LoRATrainer:
             mask[i, start:end] = 1
             old[i, start:end] = torch.tensor(t.response_logprobs, dtype=torch.float32)
             advantage[i, start:end] = float(t.advantage or 0.0)
+            if t.output_constraint is not None:
+                allowed = self._grammar.allowed(t.output_constraint, t.response_token_ids)
+                masked.append(MaskedSpan(i, start, end, allowed))
         tensors = {"ids": ids, "attention": attention, "mask": mask, "old": old, "adv": advantage}
-        return {k: v.to(self.device) for k, v in tensors.items()}
+        return {k: v.to(self.device) for k, v in tensors.items()}, masked
 
-    def _logprobs(self, ids: torch.Tensor, attention: torch.Tensor, width: int) -> tuple[Any, Any]:
-        """Log-probabilities of the last `width` target tokens of each row (and their logits)."""
+    def _logprobs(
+        self, ids: torch.Tensor, attention: torch.Tensor, width: int, masked: list[MaskedSpan]
+    ) -> tuple[Any, Any]:
+        """Log-probabilities of the last `width` target tokens of each row (and their logits),
+        those of constrained calls over their grammar's allowed tokens."""
         out = self.model(input_ids=ids, attention_mask=attention, logits_to_keep=width + 1)
         logits = out.logits[:, :-1].float()
         logp = torch.log_softmax(logits, dim=-1)
         targets = ids[:, ids.shape[1] - width :]
-        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits
+        chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return renormalise(chosen, logits, masked), logits
 
     # ------------------------------------------------------------------ the update
 
@@ -164,13 +176,13 @@ class LoRATrainer:
             transitions, key=lambda t: len(t.prompt_token_ids) + len(t.response_token_ids)
         )
         for batch in self._micro_batches(by_length):
-            x = self._tensors(batch)
+            x, masked = self._tensors(batch)
             width = x["mask"].shape[1]
-            logp, logits = self._logprobs(x["ids"], x["attention"], width)
+            logp, logits = self._logprobs(x["ids"], x["attention"], width, masked)
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
-                    ref, _ = self._logprobs(x["ids"], x["attention"], width)
+                    ref, _ = self._logprobs(x["ids"], x["attention"], width, masked)
             out = policy_loss(
                 logp,
                 x["old"],

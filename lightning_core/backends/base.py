@@ -20,7 +20,26 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
+from lightning_core.errors import InvalidInput
+
 FinishReason = Literal["stop", "length"]
+
+
+class Constraint(BaseModel):
+    """Output restricted to a grammar (structured outputs), enforced token by token.
+
+    The logprobs a backend reports for a constrained completion are those of the distribution
+    it actually sampled from: the model's, with every token the grammar forbids masked out and
+    the rest renormalised. That is the behaviour policy, so the trainer's importance ratios
+    stay right.
+    """
+
+    kind: Literal["json_object", "json_schema"] = Field(
+        description="json_object: any JSON object; json_schema: JSON valid for `json_schema`."
+    )
+    json_schema: dict[str, Any] | None = Field(
+        None, description="The JSON schema (kind json_schema only)."
+    )
 
 
 class SamplingParams(BaseModel):
@@ -36,6 +55,9 @@ class SamplingParams(BaseModel):
     )
     top_logprobs: int = Field(
         0, ge=0, le=20, description="Alternatives to report per position (0: none)."
+    )
+    constraint: Constraint | None = Field(
+        None, description="Grammar the completion must follow (structured outputs); None: free."
     )
 
 
@@ -67,6 +89,15 @@ class StreamDelta(BaseModel):
     finish_reason: FinishReason | None = None
 
 
+def check_stream_request(request: GenerationRequest) -> None:
+    """The refusal every backend's `stream` gives a request for several completions."""
+    if request.n != 1:
+        raise InvalidInput(
+            f"stream() yields one completion, so n must be 1 (got {request.n}); stream with "
+            "n=1, or use generate() for several"
+        )
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A policy served in token ids: a base model plus any number of named LoRA adapters."""
@@ -85,7 +116,7 @@ class Backend(Protocol):
         ...
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        """One completion (n must be 1), delta by delta."""
+        """One completion, delta by delta; n != 1 raises InvalidInput (check_stream_request)."""
         ...
 
     async def load_adapter(self, name: str, path: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lightning_core.backends.base import SamplingParams
+from lightning_core.backends.base import Constraint, SamplingParams
 from lightning_core.errors import InvalidInput
 
 # Fields that change the output and are not implemented, with the value that means "unused".
@@ -60,7 +60,9 @@ class _OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling(self, max_new_tokens: int, top_logprobs: int) -> SamplingParams:
+    def sampling(
+        self, max_new_tokens: int, top_logprobs: int, constraint: Constraint | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -68,7 +70,23 @@ class _OpenAIRequest(BaseModel):
             seed=self.seed,
             stop=self.stop_list(),
             top_logprobs=top_logprobs,
+            constraint=constraint,
         )
+
+
+def json_constraint(
+    kind: str | None, schema: Any, where: str, strict: bool | None = None
+) -> Constraint | None:
+    """A structured-output format (OpenAI's `response_format` or `text.format`) as a grammar."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint(kind="json_object")
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise InvalidInput(f"{where} of type json_schema needs a 'schema' object")
+        return Constraint(kind="json_schema", json_schema=schema)
+    raise InvalidInput(f"{where} type {kind!r} is not text, json_object or json_schema")
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -79,6 +97,9 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema: enforced by constrained decoding."
+    )
 
     @model_validator(mode="after")
     def _check_messages(self) -> ChatCompletionRequest:
@@ -109,6 +130,13 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def constraint(self) -> Constraint | None:
+        fmt = self.response_format or {}
+        spec = fmt.get("json_schema") or {}
+        if not isinstance(spec, dict):
+            raise InvalidInput("response_format.json_schema must be an object")
+        return json_constraint(fmt.get("type"), spec.get("schema"), "response_format")
 
 
 class CompletionRequest(_OpenAIRequest):

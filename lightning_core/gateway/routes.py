@@ -1,8 +1,10 @@
-"""The gateway's HTTP routes: OpenAI's /v1 API, plain and under a rollout attempt's prefix.
+"""The gateway's HTTP routes, plain and under a rollout attempt's prefix.
 
-An agent inside a rollout gets `base_url = <server>/rollouts/<rollout_id>/attempts/<attempt_id>/v1`
-and needs nothing else: every call it makes there is recorded on that attempt. It may name
-itself (for multi-agent systems) with the `X-Lightning-Agent` header or `metadata.agent_name`.
+OpenAI's chat completions, completions, responses and models, and Anthropic's messages. An agent
+inside a rollout gets `base_url = <server>/rollouts/<rollout_id>/attempts/<attempt_id>/v1` (for
+Anthropic's client, the same URL without `/v1`: it adds that itself) and needs nothing else:
+every call it makes there is recorded on that attempt. It may name itself (for multi-agent
+systems) with the `X-Lightning-Agent` header or `metadata.agent_name`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from lightning_core import semconv
+from lightning_core.gateway.anthropic_api import MessagesAPI, MessagesRequest
+from lightning_core.gateway.openai_api import OpenAIAPI
 from lightning_core.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from lightning_core.gateway.responses_api import ResponsesAPI, ResponsesRequest
 from lightning_core.gateway.service import CallContext, Gateway
 
 ROLLOUT_PREFIX = "/rollouts/{rollout_id}/attempts/{attempt_id}"
@@ -46,21 +51,32 @@ def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
 
 def gateway_router(gateway: Gateway, route_class: type | None = None) -> APIRouter:
     router = APIRouter(route_class=route_class) if route_class else APIRouter()
+    openai_api = OpenAIAPI(gateway)
+    responses_api = ResponsesAPI(gateway)
+    messages_api = MessagesAPI(gateway)
 
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return _respond(await gateway.chat(body, _context(request, body.metadata)))
+        return _respond(await openai_api.chat(body, _context(request, body.metadata)))
 
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return _respond(await gateway.completions(body, _context(request, body.metadata)))
+        return _respond(await openai_api.completions(body, _context(request, body.metadata)))
+
+    async def responses(request: Request, body: ResponsesRequest) -> Response:
+        return _respond(await responses_api.create(body, _context(request, body.metadata)))
+
+    async def messages(request: Request, body: MessagesRequest) -> Response:
+        return _respond(await messages_api.create(body, _context(request, body.metadata)))
 
     async def models(request: Request) -> Response:
         if "rollout_id" in request.path_params:
-            gateway._check_rollout(_context(request, None))
+            gateway.check_rollout(_context(request, None))
         return Response(orjson.dumps(gateway.models()), media_type="application/json")
 
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str, str]] = [
         ("/v1/chat/completions", chat_completions, "POST", "Chat completion (OpenAI)"),
         ("/v1/completions", completions, "POST", "Text completion (OpenAI)"),
+        ("/v1/responses", responses, "POST", "Response (OpenAI Responses API)"),
+        ("/v1/messages", messages, "POST", "Message (Anthropic Messages API)"),
         ("/v1/models", models, "GET", "Served models: base and LoRA adapters"),
     ]
     for prefix, scope in (("", "outside a rollout"), (ROLLOUT_PREFIX, "recorded on the attempt")):

@@ -29,6 +29,7 @@ class LLMCall:
     rollout_id: str
     attempt_id: str
     operation: str  # "chat" or "text_completion"
+    api: str  # the client API called: chat.completions, completions, responses, messages
     request_model: str
     policy_version: str
     response_id: str
@@ -77,6 +78,13 @@ def llm_call_span(call: LLMCall) -> Span:
         semconv.PROMPT_TOKEN_IDS: call.prompt_token_ids,
         semconv.RESPONSE_COUNT: len(call.choices),
     }
+    attributes[semconv.API] = call.api
+    if p.constraint is not None:
+        # Constrained decoding: the logprobs are those of the masked distribution sampled from.
+        attributes["gen_ai.output.type"] = "json"
+        attributes[semconv.CONSTRAINT] = p.constraint.kind
+        if p.constraint.json_schema is not None:
+            attributes[semconv.CONSTRAINT_SCHEMA] = orjson.dumps(p.constraint.json_schema).decode()
     if p.seed is not None:
         attributes["gen_ai.request.seed"] = p.seed
     if p.stop:

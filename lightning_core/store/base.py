@@ -17,6 +17,26 @@ from lightning_core.types import (
     Transition,
 )
 
+
+@runtime_checkable
+class SpanRecorder(Protocol):
+    """What a component that records spans as they happen (the gateway) needs of a store.
+
+    The in-process store implements it; the gateway depends on this protocol only, never on a
+    concrete store, so the store knows nothing of the gateway and the gateway nothing of DuckDB.
+    """
+
+    def check_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
+        """The attempt, if it exists and belongs to the rollout; NotFound otherwise."""
+        ...
+
+    def add_spans_nowait(self, spans: Sequence[Span]) -> None:
+        """Record spans without waiting for the disk; they are durable shortly after."""
+        ...
+
+    async def get_policy_version(self, name: str) -> PolicyVersion: ...
+
+
 # "latest" selects the newest attempt of each rollout, which is what a trainer wants after retries.
 AttemptSelector = Literal["latest"] | str | None
 

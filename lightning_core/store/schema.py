@@ -122,6 +122,7 @@ TRANSITIONS = Table(
         ("reward", "DOUBLE"),
         ("advantage", "DOUBLE"),
         ("policy_version", "VARCHAR"),
+        ("output_constraint", "JSON"),
     ),
 )
 
@@ -137,6 +138,9 @@ POLICY_VERSIONS = Table(
 )
 
 TABLES = (ROLLOUT_LOG, ATTEMPT_LOG, SPANS, TRANSITIONS, POLICY_VERSIONS)
+# Columns added since a table was first released, for databases created before them: added
+# last, so that positional inserts line up.
+MIGRATIONS = ("ALTER TABLE transitions ADD COLUMN IF NOT EXISTS output_constraint JSON",)
 
 VIEWS = (
     "CREATE OR REPLACE VIEW rollouts AS SELECT * EXCLUDE (log_seq) FROM rollout_log "
@@ -217,6 +221,7 @@ def transition_row(t: Transition) -> tuple[Any, ...]:
         t.reward,
         t.advantage,
         t.policy_version,
+        _json(t.output_constraint.model_dump()) if t.output_constraint is not None else None,
     )
 
 
@@ -224,7 +229,9 @@ def policy_version_row(p: PolicyVersion) -> tuple[Any, ...]:
     return (p.name, p.base_model, p.adapter_path, p.created_at, _json(p.metadata))
 
 
-JSON_FIELDS = frozenset({"input", "metadata", "attributes", "events", "resource"})
+JSON_FIELDS = frozenset(
+    {"input", "metadata", "attributes", "events", "resource", "output_constraint"}
+)
 
 
 def row_dict(columns: list[str], row: tuple[Any, ...]) -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
 Every user error is answered with a 4xx and a body `{"error": {"type", "message"}}`; `type` names
 the exception class from `lightning_core.errors`, which the Python client raises again.
+
+The store knows nothing of the gateway: `create_store_app` takes routers to mount beside its
+own, hooks to run at start and close, and an `ErrorBody` that may answer errors on other paths
+in their API's own shape (lightning_core/app.py joins the two).
 """
 
 from __future__ import annotations
@@ -9,20 +13,18 @@ from __future__ import annotations
 import gzip
 import hmac
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge
-from lightning_core.gateway.routes import gateway_router
-from lightning_core.gateway.service import Gateway
 from lightning_core.store import otlp
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import (
@@ -106,7 +108,7 @@ class _OrjsonRequest(Request):
         return self._json
 
 
-class _OrjsonRoute(APIRoute):
+class OrjsonRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
 
@@ -120,26 +122,15 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
 
 
-_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+# Answers an error on a path in that API's own shape, or None for the store's shape.
+ErrorBody = Callable[[str, int, str, str], JSONResponse | None]
 
 
-def _openai_error(status: int, kind: str, message: str) -> JSONResponse:
-    """OpenAI's error shape, for the gateway's routes; `code` keeps our exception's name."""
-    error_type = (
-        "server_error" if status >= 500 else _OPENAI_TYPES.get(status, "invalid_request_error")
-    )
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": kind}}
-    return JSONResponse(body, status_code=status)
-
-
-def _error_for(request: Request, status: int, kind: str, message: str) -> JSONResponse:
-    return _error_at(request.url.path, status, kind, message)
-
-
-def _error_at(path: str, status: int, kind: str, message: str) -> JSONResponse:
-    if "/v1/" in path and not path.startswith("/v1/traces"):
-        return _openai_error(status, kind, message)
-    return _error(status, kind, message)
+def _error_at(
+    path: str, status: int, kind: str, message: str, shape: ErrorBody | None = None
+) -> JSONResponse:
+    shaped = shape(path, status, kind, message) if shape is not None else None
+    return shaped if shaped is not None else _error(status, kind, message)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
@@ -151,9 +142,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
     return 422, "; ".join(parts) + more
 
 
-def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
-    """ASGI middleware: bearer-token auth, then a cap on the request body size."""
+def _limits_and_auth(
+    app: Any, max_bytes: int, api_key: str | None, shape: ErrorBody | None = None
+) -> Any:
+    """ASGI middleware: API-key auth, then a cap on the request body size.
+
+    The key comes as `Authorization: Bearer <key>` (OpenAI's clients, ours) or as `x-api-key`
+    (Anthropic's clients, which never send the bearer form).
+    """
     expected = f"Bearer {api_key}".encode() if api_key else None
+    expected_key = api_key.encode() if api_key else None
     open_paths = {"/health"}
 
     async def middleware(scope: dict, receive: Callable, send: Callable) -> None:
@@ -163,18 +161,23 @@ def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
         headers = dict(scope["headers"])
         if expected is not None and scope["path"] not in open_paths:
             given = headers.get(b"authorization", b"")
+            given_key = headers.get(b"x-api-key", b"")
             # compare_digest takes the same time wherever the first differing byte is.
-            if not hmac.compare_digest(given, expected):
+            if not (
+                hmac.compare_digest(given, expected)
+                or (given_key and hmac.compare_digest(given_key, expected_key or b""))
+            ):
                 await _error_at(
                     scope["path"],
                     401,
                     "Unauthorized",
                     "missing or wrong API key: send 'Authorization: Bearer <LIGHTNING_API_KEY>'",
+                    shape,
                 )(scope, receive, send)
                 return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            await _too_large(scope["path"], max_bytes)(scope, receive, send)
+            await _too_large(scope["path"], max_bytes, shape)(scope, receive, send)
             return
         # Read the whole body here, up to the limit, and replay it: an error raised while the
         # app reads it would be turned into a generic 400 by the framework.
@@ -187,7 +190,7 @@ def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             if seen > max_bytes:
-                await _too_large(scope["path"], max_bytes)(scope, receive, send)
+                await _too_large(scope["path"], max_bytes, shape)(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -205,13 +208,14 @@ def _limits_and_auth(app: Any, max_bytes: int, api_key: str | None) -> Any:
     return middleware
 
 
-def _too_large(path: str, max_bytes: int) -> JSONResponse:
+def _too_large(path: str, max_bytes: int, shape: ErrorBody | None) -> JSONResponse:
     return _error_at(
         path,
         413,
         "PayloadTooLarge",
         f"request body over the limit of {max_bytes} bytes: send smaller batches, or raise "
         "--max-request-bytes (LIGHTNING_MAX_REQUEST_BYTES)",
+        shape,
     )
 
 
@@ -234,52 +238,54 @@ def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
     return out
 
 
-def create_app(
+def create_store_app(
     store: DuckDBStore,
     api_key: str | None = None,
     max_request_bytes: int = 64 * 1024 * 1024,
     close_store: bool = True,
-    gateway: Gateway | None = None,
+    routers: Sequence[APIRouter] = (),
+    on_start: Callable[[], Awaitable[Any]] | None = None,
+    on_close: Callable[[], Awaitable[Any]] | None = None,
+    error_body: ErrorBody | None = None,
+    description: str = "The LightningStore: rollouts, spans, transitions, OTLP traces.",
 ) -> Any:
-    """The FastAPI app serving `store` (and `gateway`, if given), wrapped in the auth and
-    size-limit middleware. Closing the app closes the store and the gateway's backend."""
+    """The FastAPI app serving `store` and any `routers` beside it, wrapped in the auth and
+    size-limit middleware. `on_start` runs before the first request, `on_close` at shutdown,
+    before the store closes (when `close_store`)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        # A backend that runs a server of its own (vLLM) starts on this loop, before requests.
-        start = getattr(gateway.backend, "start", None) if gateway is not None else None
-        if start is not None:
-            await start()
+        if on_start is not None:
+            await on_start()
         yield
-        if gateway is not None:
-            await gateway.backend.close()
+        if on_close is not None:
+            await on_close()
         if close_store:
             await store.close()
 
     app = FastAPI(
         title="lightning-rl",
-        description="The LightningStore (rollouts, spans, transitions, OTLP traces) and the "
-        "OpenAI-compatible policy gateway.",
+        description=description,
         lifespan=lifespan,
         # The store must not trace its own requests: an agent running in this process may have
         # set a global OpenTelemetry provider, whose spans belong to its rollout, not to us.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    app.router.route_class = _OrjsonRoute
+    app.router.route_class = OrjsonRoute
 
     @app.exception_handler(LightningError)
     async def lightning_error(request: Request, exc: LightningError) -> JSONResponse:
-        return _error_for(request, exc.status_code, type(exc).__name__, str(exc))
+        return _error_at(
+            request.url.path, exc.status_code, type(exc).__name__, str(exc), error_body
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         status, message = _validation_message(exc)
-        if "/v1/" in request.url.path:
-            status = 400  # OpenAI answers every malformed request with 400
-        return _error_for(request, status, "InvalidInput", message)
+        return _error_at(request.url.path, status, "InvalidInput", message, error_body)
 
-    if gateway is not None:
-        app.include_router(gateway_router(gateway, route_class=_OrjsonRoute))
+    for router in routers:
+        app.include_router(router)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -384,4 +390,4 @@ def create_app(
             "application/json"
         )
 
-    return _limits_and_auth(app, max_request_bytes, api_key)
+    return _limits_and_auth(app, max_request_bytes, api_key, error_body)

@@ -219,6 +219,8 @@ def child_main(db: str, threads: int, open_timeout_s: float) -> int:
         con = _connect(db, threads, open_timeout_s)
         for table in schema.TABLES:
             con.execute(table.ddl)
+        for migration in schema.MIGRATIONS:
+            con.execute(migration)
         for view in schema.VIEWS:
             con.execute(view)
         _write_frame(out, lock, (0, True, _load(con)))

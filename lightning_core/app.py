@@ -1,0 +1,51 @@
+"""The HTTP app of `lightning-rl serve`: the store's routes and the gateway's, side by side.
+
+It sits above both packages so that neither imports the other: the store serves rollouts and
+spans, the gateway serves the policy and records its calls through the store's `SpanRecorder`
+protocol. Errors on the gateway's paths are answered in the shape of the API that was called
+(OpenAI's, or Anthropic's on /v1/messages), so each official client raises its own error types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from lightning_core.gateway.errors import error_response, is_gateway_path
+from lightning_core.gateway.routes import gateway_router
+from lightning_core.gateway.service import Gateway
+from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.store.server import OrjsonRoute, create_store_app
+
+
+def _gateway_error(path: str, status: int, kind: str, message: str) -> JSONResponse | None:
+    if not is_gateway_path(path):
+        return None
+    return error_response(path, status, kind, message)
+
+
+def create_app(
+    store: DuckDBStore,
+    api_key: str | None = None,
+    max_request_bytes: int = 64 * 1024 * 1024,
+    close_store: bool = True,
+    gateway: Gateway | None = None,
+) -> Any:
+    """The app serving `store` (and `gateway`, if given), wrapped in the auth and size-limit
+    middleware. Closing the app closes the store and the gateway's backend."""
+    if gateway is None:
+        return create_store_app(store, api_key, max_request_bytes, close_store)
+    # A backend that runs a server of its own (vLLM) starts on the app's loop, before requests.
+    return create_store_app(
+        store,
+        api_key,
+        max_request_bytes,
+        close_store,
+        routers=[gateway_router(gateway, route_class=OrjsonRoute)],
+        on_start=getattr(gateway.backend, "start", None),
+        on_close=gateway.backend.close,
+        error_body=_gateway_error,
+        description="The LightningStore (rollouts, spans, transitions, OTLP traces) and the "
+        "policy gateway (OpenAI chat, completions and responses; Anthropic messages).",
+    )

@@ -1,0 +1,365 @@
+"""`VLLMBackend`: the Backend protocol over a vLLM server's HTTP API, launched or attached."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+
+from lightning_core.backends.base import (
+    Choice,
+    GenerationRequest,
+    StreamDelta,
+    check_stream_request,
+)
+from lightning_core.backends.text import IncrementalText
+from lightning_core.backends.vllm_backend.completions import (
+    finish_reason,
+    parse_tokens,
+    request_body,
+    stopped_on_string,
+)
+from lightning_core.backends.vllm_backend.config import VLLMBackendConfig, VLLMUnavailable
+from lightning_core.backends.vllm_backend.server import VLLMServer
+from lightning_core.errors import InvalidInput, LightningError, NotFound
+from lightning_core.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class VLLMBackend:
+    """A `Backend` served by vLLM. `await start()` (or `async with`) before use.
+
+    `VLLMBackend(config, **overrides)`: overrides are config fields (`url=...`).
+    """
+
+    def __init__(self, config: VLLMBackendConfig | None = None, **overrides: Any) -> None:
+        base = config.model_dump() if config is not None else {}
+        self.config = VLLMBackendConfig.model_validate({**base, **overrides})
+        self.model_dir = Path(resolve_model(self.config.model))
+        if not (self.model_dir / "config.json").is_file():
+            raise InvalidInput(
+                f"{self.config.model!r} is not a local model folder; the vLLM backend needs one "
+                "(it loads the tokenizer here and the hub is unreachable)"
+            )
+        self.base_model = self.config.served_model_name or self.model_dir.name
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # An OpenAI base URL often ends in /v1; the paths below carry it themselves.
+        self.url = (self.config.url or "").rstrip("/").removesuffix("/v1")
+        self._server: VLLMServer | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._scratch: Path | None = None
+        self._adapters: dict[str, str] = {}  # name -> folder as the caller gave it
+        self._snapshots: dict[str, Path] = {}  # name -> private copy vLLM reads
+        self._adapter_lock = asyncio.Lock()
+
+    @classmethod
+    def from_config(cls, config: VLLMBackendConfig) -> VLLMBackend:
+        return cls(config)
+
+    @property
+    def log_path(self) -> Path | None:
+        """The launched server's log (None when attached)."""
+        return self._server.log_path if self._server is not None else None
+
+    # ---- lifecycle
+
+    async def start(self) -> VLLMBackend:
+        self._scratch = Path(tempfile.mkdtemp(prefix="lightning-vllm-"))
+        try:
+            if self.config.url is None:
+                self._server = VLLMServer(
+                    self.config, self.model_dir, self.base_model, self._scratch
+                )
+                await self._server.start()
+                self.url = self._server.url
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=10, sock_read=self.config.request_timeout_s
+                ),
+                # No client-side cap: vLLM queues and batches; a cap here would only serialize.
+                connector=aiohttp.TCPConnector(limit=0),
+                read_bufsize=1 << 20,
+            )
+            if self.config.url is not None:
+                await self._attach()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aenter__(self) -> VLLMBackend:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._server is None and self._session is not None:
+            # An attached server outlives us, but the snapshots it reads our adapters from are
+            # about to be deleted.
+            for name in list(self._snapshots):
+                with contextlib.suppress(LightningError):
+                    await self._unload(name)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._server is not None:
+            await self._server.stop()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    async def _attach(self) -> None:
+        models = (await self._request("GET", "/v1/models"))["data"]
+        names = [m["id"] for m in models]
+        if self.base_model not in names:
+            raise InvalidInput(
+                f"the vLLM server at {self.url} serves {names}, not {self.base_model!r}; set "
+                "served_model_name to the name it serves the base model under"
+            )
+        # Adapters loaded before we attached (--lora-modules, or by another client).
+        self._adapters = {m["id"]: m.get("root") or "" for m in models if m.get("parent")}
+        log.info("attached to vLLM at %s serving %s", self.url, names)
+
+    def _live_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError(
+                "the vLLM backend is not started or was closed; await start() (or use "
+                "`async with`) before sending requests"
+            )
+        return self._session
+
+    # ---- generation
+    # vLLM keeps the token that completed a stop string; the ids are cut before the token in
+    # which it begins (base.py), found in this side's decoding of them.
+
+    def _stop_cut(self, text: IncrementalText) -> int:
+        """How many of the ids pushed into `text` to keep, given that vLLM stopped on a stop
+        string."""
+        if text.stopped is None:
+            log.warning("vLLM stopped on a stop string this side cannot find; keeping all ids")
+            return len(text.token_ids)
+        return text.stopped
+
+    async def generate(self, request: GenerationRequest) -> list[Choice]:
+        body = request_body(request, request.adapter or self.base_model, stream=False)
+        data = await self._request("POST", "/v1/completions", body, request)
+        choices = []
+        for raw in sorted(data["choices"], key=lambda c: c["index"]):
+            ids, logprobs, top = parse_tokens(raw, request.params.top_logprobs)
+            finish = finish_reason(raw)
+            if stopped_on_string(raw):
+                text = IncrementalText(self.tokenizer, request.params.stop)
+                text.push(ids)
+                keep = self._stop_cut(text)
+                ids, logprobs = ids[:keep], logprobs[:keep]
+                top = top[:keep] if top is not None else None
+            choices.append(
+                Choice(token_ids=ids, logprobs=logprobs, top_logprobs=top, finish_reason=finish)
+            )
+        return choices
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        check_stream_request(request)
+        return self._stream(request)
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        k = request.params.top_logprobs
+        # Tokens a stop string may begin in are held back until it is clear they are not.
+        text = IncrementalText(self.tokenizer, request.params.stop) if request.params.stop else None
+        ids: list[int] = []
+        logprobs: list[float] = []
+        top: list[list[tuple[int, float]]] = []
+        sent = 0
+
+        def delta(end: int, finish: Any = None) -> StreamDelta:
+            return StreamDelta(
+                token_ids=ids[sent:end],
+                logprobs=logprobs[sent:end],
+                top_logprobs=top[sent:end] if k else None,
+                finish_reason=finish,
+            )
+
+        body = request_body(request, request.adapter or self.base_model, stream=True)
+        async for raw in self._stream_chunks(body, request):
+            new_ids, new_logprobs, new_top = parse_tokens(raw, k)
+            ids += new_ids
+            logprobs += new_logprobs
+            top += new_top or []
+            if text is not None:
+                text.push(new_ids)
+            if raw.get("finish_reason") is None:
+                safe = text.ready_tokens() if text is not None else len(ids)
+                if safe > sent:
+                    yield delta(safe)
+                    sent = safe
+                continue
+            finish = finish_reason(raw)
+            end = len(ids)
+            if text is not None and stopped_on_string(raw):
+                end = self._stop_cut(text)
+            # Held-back tokens never include a stop string's start, so `end` >= `sent`.
+            yield delta(max(end, sent), finish)
+            return
+        raise VLLMUnavailable(f"vLLM ended a stream without a finish reason{self._died()}")
+
+    async def _stream_chunks(
+        self, body: dict[str, Any], request: GenerationRequest
+    ) -> AsyncIterator[dict[str, Any]]:
+        session = self._live_session()
+        try:
+            async with session.post(f"{self.url}/v1/completions", json=body) as resp:
+                if resp.status >= 400:
+                    raise self._error(resp.status, await resp.text(), request)
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        raise VLLMUnavailable(f"vLLM failed the stream: {chunk['error']}")
+                    for choice in chunk.get("choices", []):
+                        yield choice
+        except aiohttp.ClientError as e:
+            raise VLLMUnavailable(f"lost the vLLM server at {self.url}: {e}{self._died()}") from e
+
+    # ---- adapters
+
+    def adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        if name == self.base_model:
+            raise InvalidInput(f"{name!r} is the base model's name; give the adapter another")
+        folder = Path(path).expanduser()
+        if self._server_is_local():
+            self._check_adapter(folder)
+        async with self._adapter_lock:
+            if name in self._adapters:
+                # A fresh load (new LoRA id) rather than vLLM's load_inplace, which would make
+                # every batch that uses the adapter reload it from disk.
+                await self._unload(name)
+            served = str(folder)
+            if self._server_is_local():
+                assert self._scratch is not None
+                snapshot = self._scratch / "adapters" / uuid.uuid4().hex
+                await asyncio.to_thread(shutil.copytree, folder, snapshot)
+                self._snapshots[name] = snapshot
+                served = str(snapshot)
+            body = {"lora_name": name, "lora_path": served}
+            try:
+                await self._request("POST", "/v1/load_lora_adapter", body, adapter_path=path)
+            except BaseException:
+                self._drop_snapshot(name)
+                raise
+            self._adapters[name] = path
+        log.info("loaded LoRA adapter %s from %s", name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        async with self._adapter_lock:
+            await self._unload(name)
+        log.info("unloaded LoRA adapter %s", name)
+
+    async def _unload(self, name: str) -> None:
+        try:
+            await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        except NotFound:
+            raise NotFound(
+                f"no LoRA adapter named {name!r} is loaded (loaded: {self.adapters()})"
+            ) from None
+        finally:
+            self._adapters.pop(name, None)
+            self._drop_snapshot(name)
+
+    def _drop_snapshot(self, name: str) -> None:
+        snapshot = self._snapshots.pop(name, None)
+        if snapshot is not None:
+            shutil.rmtree(snapshot, ignore_errors=True)
+
+    def _check_adapter(self, folder: Path) -> None:
+        config_file = folder / "adapter_config.json"
+        if not config_file.is_file():
+            raise InvalidInput(f"{folder} has no adapter_config.json: not a PEFT LoRA folder")
+        config = json.loads(config_file.read_text())
+        rank = max([config.get("r", 0), *config.get("rank_pattern", {}).values()])
+        if rank > self.config.max_lora_rank:
+            raise InvalidInput(
+                f"adapter {folder} has LoRA rank {rank}, above the server's max_lora_rank "
+                f"{self.config.max_lora_rank}; raise max_lora_rank (restarts vLLM)"
+            )
+
+    def _server_is_local(self) -> bool:
+        return self._server is not None or urlparse(self.url).hostname in _LOOPBACK
+
+    # ---- HTTP
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        request: GenerationRequest | None = None,
+        adapter_path: str | None = None,
+    ) -> Any:
+        session = self._live_session()
+        try:
+            async with session.request(method, f"{self.url}{path}", json=body) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise self._error(resp.status, text, request, adapter_path)
+        except aiohttp.ClientError as e:
+            raise VLLMUnavailable(
+                f"cannot reach the vLLM server at {self.url}: {e}{self._died()}"
+            ) from e
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text  # the adapter endpoints answer in plain text
+
+    def _error(
+        self,
+        status: int,
+        text: str,
+        request: GenerationRequest | None = None,
+        adapter_path: str | None = None,
+    ) -> LightningError:
+        try:
+            error = json.loads(text)
+            message = (error.get("error") or error).get("message", text)
+        except (json.JSONDecodeError, AttributeError):
+            message = text
+        if adapter_path is not None:
+            if status == 404:
+                return NotFound(f"vLLM found no LoRA adapter at {adapter_path}: {message}")
+            return InvalidInput(f"vLLM could not load the adapter at {adapter_path}: {message}")
+        if status == 404 and request is not None:
+            return NotFound(
+                f"{request.adapter or self.base_model!r} is not served by vLLM (base model "
+                f"{self.base_model!r}, adapters {self.adapters()}); load an adapter with "
+                f"load_adapter(name, path) first. vLLM said: {message}"
+            )
+        if status == 404:
+            return NotFound(message)
+        if status < 500:
+            return InvalidInput(f"vLLM rejected the request: {message}")
+        return VLLMUnavailable(f"vLLM failed ({status}): {message}{self._died()}")
+
+    def _died(self) -> str:
+        return self._server.died() if self._server is not None else ""
