@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-store test test-fast lint bench-store bench-gateway bench-train clean
+.PHONY: setup setup-dev demo demo-store test test-fast lint bench-store bench-gateway bench-structured bench-train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,9 @@ bench-store: setup
 
 bench-gateway: setup
 	$(BIN)/python benchmarks/gateway.py
+
+bench-structured: setup
+	$(BIN)/python benchmarks/structured.py
 
 bench-train: setup
 	$(BIN)/python benchmarks/train_step.py

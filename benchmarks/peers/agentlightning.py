@@ -9,12 +9,10 @@ JSON figures that script writes. `benchmarks/store_throughput.py` calls `run_age
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +23,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks.peers.common import run_install_steps, stop_group, tail
 
 try:
     # Imported as benchmarks.peers.agentlightning: share the caller's WorkloadShape class.
@@ -101,16 +101,7 @@ def _ensure_venv_locked(venv: Path, log: Callable[[str], None]) -> Path:
         [*pip, "install", *REQUIREMENTS],
         [*pip, "uninstall", "-y", *OTEL_UNINSTALL],
     ]
-    with install_log.open("w") as out:
-        for step in steps:
-            out.write(f"$ {' '.join(step)}\n")
-            out.flush()
-            done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"installing Agent Lightning failed (code {done.returncode}) at: "
-                    f"{' '.join(step)}\n--- {install_log} ---\n{_tail(install_log)}"
-                )
+    run_install_steps(steps, install_log, "Agent Lightning")
     marker.write_text(_marker_text())
     log(f"agentlightning: venv ready in {time.perf_counter() - started:.0f} s")
     return python
@@ -142,29 +133,10 @@ def _wait_healthy(url: str, server: subprocess.Popen[bytes], timeout_s: float) -
     raise TimeoutError(f"agl store not healthy at {url} after {timeout_s:.0f} s")
 
 
-def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the process's own session (it and anything it forked), then SIGKILL stragglers.
-
-    Each child is started with start_new_session=True, so its process group holds exactly the
-    processes it started (the workload's forked runners included) and nothing of ours.
-    """
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        # The store shuts uvicorn down cleanly on SIGTERM in about 3 s.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=grace_s)
-    # Even after the leader exits, a forked runner could linger in the group. (Linux hands out
-    # pids in sequence, so the group id is not reused by a stranger in the meantime.)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
 def _start(
     command: list[str], log_file: Path, env: dict[str, str], cwd: Path
 ) -> subprocess.Popen[bytes]:
-    """Start a child in its own session (so _stop_group reaches all it forks), logging to a file."""
+    """Start a child in its own session (so stop_group reaches all it forks), logging to a file."""
     with log_file.open("wb") as out:
         return subprocess.Popen(
             command,
@@ -175,13 +147,6 @@ def _start(
             cwd=cwd,
             start_new_session=True,
         )
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def run_agentlightning(
@@ -230,7 +195,7 @@ def run_agentlightning(
             try:
                 took = _wait_healthy(f"{url}/v1/agl/health", server, timeout_s=120)
             except (RuntimeError, TimeoutError) as exc:
-                raise RuntimeError(f"{exc}\n--- agl store log ---\n{_tail(server_log)}") from exc
+                raise RuntimeError(f"{exc}\n--- agl store log ---\n{tail(server_log)}") from exc
             log(f"agentlightning: store healthy at {url} after {took:.1f} s")
             command = [
                 str(python),
@@ -255,21 +220,21 @@ def run_agentlightning(
             except subprocess.TimeoutExpired:
                 raise RuntimeError(
                     f"agentlightning workload timed out after {timeout:.0f} s\n"
-                    f"--- workload log ---\n{_tail(workload_log)}"
+                    f"--- workload log ---\n{tail(workload_log)}"
                 ) from None
             finally:
                 # Runners are the workload's forked children: make sure none outlives it.
-                _stop_group(workload)
+                stop_group(workload)
             if workload.returncode != 0 or not out.is_file():
                 raise RuntimeError(
                     f"agentlightning workload failed with code {workload.returncode}\n"
-                    f"--- workload log ---\n{_tail(workload_log)}\n"
-                    f"--- agl store log ---\n{_tail(server_log, 15)}"
+                    f"--- workload log ---\n{tail(workload_log)}\n"
+                    f"--- agl store log ---\n{tail(server_log, 15)}"
                 )
             result: dict[str, Any] = json.loads(out.read_text())
         finally:
             if server is not None:
-                _stop_group(server)
+                stop_group(server)
     log(
         f"agentlightning: {result['rollouts_per_s']} rollouts/s, {result['spans_per_s']} spans/s, "
         f"add span p50 {result['add_span_p50_ms']} ms, p99 {result['add_span_p99_ms']} ms"

@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from benchmarks.peers.agentlightning import _stop_group, _tail
+from benchmarks.peers.common import run_install_steps, stop_group, tail
 from lightning_core.models import cache_dir
 
 # PEERS.md measured 1.108. An exact pin, not a range: 1.107.0 was a compromised release, and
@@ -101,16 +101,7 @@ def _ensure_venv_locked(venv: Path, log: Callable[[str], None]) -> tuple[Path, f
         [base_python, "-m", "venv", str(venv)],
         [str(python), "-m", "pip", "--disable-pip-version-check", "install", *REQUIREMENTS],
     ]
-    with install_log.open("w") as out:
-        for step in steps:
-            out.write(f"$ {' '.join(step)}\n")
-            out.flush()
-            done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"installing LiteLLM failed (code {done.returncode}) at: "
-                    f"{' '.join(step)}\n--- {install_log} ---\n{_tail(install_log)}"
-                )
+    run_install_steps(steps, install_log, "LiteLLM")
     marker.write_text(marker_text)
     seconds = time.perf_counter() - started
     log(f"litellm: venv ready in {seconds:.0f} s")
@@ -157,14 +148,14 @@ def litellm_proxy(
                 env=env,
                 cwd=workdir,
                 preexec_fn=preexec_fn,
-                # Its own session, so _stop_group reaches every process it forks.
+                # Its own session, so stop_group reaches every process it forks.
                 start_new_session=True,
             )
         try:
             _wait_alive(f"http://127.0.0.1:{port}/health/liveliness", proxy, server_log, timeout_s)
             yield f"http://127.0.0.1:{port}"
         finally:
-            _stop_group(proxy)
+            stop_group(proxy)
 
 
 def _wait_alive(url: str, proxy: subprocess.Popen, log_file: Path, timeout_s: float) -> None:
@@ -172,7 +163,7 @@ def _wait_alive(url: str, proxy: subprocess.Popen, log_file: Path, timeout_s: fl
     while time.monotonic() < deadline:
         if proxy.poll() is not None:
             raise RuntimeError(
-                f"litellm proxy exited with code {proxy.returncode}\n--- log ---\n{_tail(log_file)}"
+                f"litellm proxy exited with code {proxy.returncode}\n--- log ---\n{tail(log_file)}"
             )
         try:
             with urllib.request.urlopen(url, timeout=1):
@@ -180,5 +171,5 @@ def _wait_alive(url: str, proxy: subprocess.Popen, log_file: Path, timeout_s: fl
         except OSError:
             time.sleep(0.25)
     raise RuntimeError(
-        f"litellm proxy not alive at {url} after {timeout_s:.0f} s\n{_tail(log_file)}"
+        f"litellm proxy not alive at {url} after {timeout_s:.0f} s\n{tail(log_file)}"
     )
