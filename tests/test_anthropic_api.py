@@ -221,6 +221,16 @@ def test_stop_sequences(server, attempt):
         streamed = stream.get_final_message()
     assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
     assert text_of(streamed) == text_of(cut)
+    # Of several, the one that ended the answer is named, streamed or not.
+    several = ["\u2603never\u2603", stop, "\u2604never\u2604"]
+    named = api.messages.create(
+        model=server.model, max_tokens=24, messages=messages, stop_sequences=several, **GREEDY
+    )
+    assert (named.stop_reason, named.stop_sequence) == ("stop_sequence", stop)
+    with api.messages.stream(
+        model=server.model, max_tokens=24, messages=messages, stop_sequences=several, **GREEDY
+    ) as stream:
+        assert stream.get_final_message().stop_sequence == stop
 
 
 def test_anthropic_shaped_errors(server, attempt):

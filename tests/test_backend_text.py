@@ -81,6 +81,7 @@ def test_only_a_new_match_counts_and_the_first_stop_string_wins(tok):
     text = IncrementalText(tok, stops=["ef", "cd", ""])
     assert text.push(ids[:1]) is None
     assert text.push(ids[1:]) == 1  # "cd" begins before "ef"
+    assert text.stop == "cd"
     assert text.push(tok.ids("cd")) is None  # stopped already: reported once
 
 

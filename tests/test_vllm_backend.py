@@ -234,7 +234,10 @@ async def test_lora_adapter_lifecycle(backend, hf_model, tmp_path):
 async def test_json_object_constraint_gives_json(backend):
     """vLLM's own structured outputs: the ids decode to a JSON object, ended by eos."""
     request = greedy(
-        chat(backend, "Describe a cat as a JSON object."),
+        chat(
+            backend,
+            "Give a JSON object with the keys name and age for a cat called Tom who is 3.",
+        ),
         300,
         constraint=Constraint(kind="json_object"),
     )

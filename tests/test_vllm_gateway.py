@@ -43,7 +43,13 @@ def _json_object_call(http: httpx.Client, url: str, model: str):
     )
     answer = api.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": "Describe a cat as a JSON object."}],
+        messages=[
+            {
+                "role": "user",
+                "content": "Give a JSON object with the keys name and age for a cat called Tom "
+                "who is 3.",
+            }
+        ],
         response_format={"type": "json_object"},
         max_tokens=200,
         temperature=0,

@@ -78,6 +78,8 @@ class Choice(BaseModel):
     # Per position, the `top_logprobs` most likely (token id, logprob) pairs, if asked for.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: FinishReason
+    # The stop string that ended it, when one did (its text is not in `token_ids`).
+    stop_sequence: str | None = None
 
 
 class StreamDelta(BaseModel):
@@ -87,6 +89,7 @@ class StreamDelta(BaseModel):
     logprobs: list[float] = Field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None
 
 
 def check_stream_request(request: GenerationRequest) -> None:

@@ -44,6 +44,8 @@ class IncrementalText:
         self.token_ids: list[int] = []
         #: Tokens to keep, once a stop string appeared (None: none yet).
         self.stopped: int | None = None
+        #: The stop string that appeared first, once one did.
+        self.stop: str | None = None
         #: Characters of text handed out by `take`.
         self.sent = 0
         self._decoded = ""
@@ -69,13 +71,14 @@ class IncrementalText:
         text = self._shown()
         # Only a match ending in the new text is new; earlier ones were found earlier.
         starts = [
-            found
+            (found, stop)
             for stop in self.stops
             if (found := text.find(stop, max(0, searched - len(stop) + 1))) >= 0
         ]
         if not starts:
             return None
-        self.stopped = self._tokens_within(min(starts))
+        start, self.stop = min(starts, key=lambda found: found[0])
+        self.stopped = self._tokens_within(start)
         return self.stopped
 
     def text(self) -> str:

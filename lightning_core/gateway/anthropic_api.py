@@ -9,19 +9,15 @@ has started is an `error` event in Anthropic's error shape. The span is recorded
 with api "messages" (operation "chat", as the GenAI conventions name both chat APIs).
 
 Stop reasons: tool calls give "tool_use", the token limit "max_tokens". A backend "stop" is
-either the model's own end of turn or a stop sequence: the backend keeps an end-of-sequence
-token in the ids but cuts a stop string off before the token it begins in, so a completion whose
-last token is a special token (eos, or the template's end of turn) ended itself ("end_turn"),
-and one that stopped on anything else, with stop sequences asked for, hit one
-("stop_sequence"). Which one is known only when one was given: the cut text is not returned by
-the backend, so with several `stop_sequence` is null.
+either the model's own end of turn ("end_turn") or a stop sequence ("stop_sequence"), which the
+backend names (`Choice.stop_sequence`): its text is cut off the ids, so it cannot be read back
+from them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from functools import cached_property
 from typing import Any
 
 import orjson
@@ -70,11 +66,6 @@ class MessagesAPI:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-
-    @cached_property
-    def _end_ids(self) -> frozenset[int]:
-        """Token ids with which a completion ends itself: the tokenizer's special tokens."""
-        return frozenset(self.gateway.tokenizer.all_special_ids)
 
     def _call(self, req: MessagesRequest) -> ChatCall:
         return ChatCall(
@@ -126,10 +117,9 @@ class MessagesAPI:
             return "tool_use", None
         if choice.generated.finish_reason == "length":
             return "max_tokens", None
-        ids, stops = choice.generated.token_ids, call.params.stop
-        if not stops or (ids and ids[-1] in self._end_ids):
-            return "end_turn", None
-        return "stop_sequence", stops[0] if len(stops) == 1 else None
+        if choice.generated.stop_sequence is not None:
+            return "stop_sequence", choice.generated.stop_sequence
+        return "end_turn", None
 
     @staticmethod
     def _message(

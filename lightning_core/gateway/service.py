@@ -359,6 +359,7 @@ class Gateway:
                     logprobs=logprobs[i],
                     top_logprobs=tops[i] or None,
                     finish_reason=delta.finish_reason,
+                    stop_sequence=delta.stop_sequence,
                 )
                 choice = ends[i] = self._chat_choice(i, generated, tools)
                 if choice.tool_calls:

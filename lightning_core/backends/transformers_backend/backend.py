@@ -82,6 +82,7 @@ class TransformersBackend:
                     logprobs=delta.logprobs,
                     top_logprobs=delta.top_logprobs,
                     finish_reason=delta.finish_reason,
+                    stop_sequence=delta.stop_sequence,
                 )
         finally:
             self._engine.abort(job)

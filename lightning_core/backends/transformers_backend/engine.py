@@ -374,6 +374,7 @@ class Engine:
             logprobs=s.logprobs[s.emitted : ready],
             top_logprobs=s.top_logprobs[s.emitted : ready] if wants_top else None,
             finish_reason=s.finish_reason,
+            stop_sequence=s.text.stop if s.text is not None and s.finish_reason else None,
         )
         s.emitted = ready
         self._outbox.append((job, (s.index, delta)))

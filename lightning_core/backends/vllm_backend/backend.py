@@ -163,14 +163,22 @@ class VLLMBackend:
         for raw in sorted(data["choices"], key=lambda c: c["index"]):
             ids, logprobs, top = parse_tokens(raw, request.params.top_logprobs)
             finish = finish_reason(raw)
+            stop = None
             if stopped_on_string(raw):
+                stop = raw["stop_reason"]
                 text = IncrementalText(self.tokenizer, request.params.stop)
                 text.push(ids)
                 keep = self._stop_cut(text)
                 ids, logprobs = ids[:keep], logprobs[:keep]
                 top = top[:keep] if top is not None else None
             choices.append(
-                Choice(token_ids=ids, logprobs=logprobs, top_logprobs=top, finish_reason=finish)
+                Choice(
+                    token_ids=ids,
+                    logprobs=logprobs,
+                    top_logprobs=top,
+                    finish_reason=finish,
+                    stop_sequence=stop,
+                )
             )
         return choices
 
@@ -187,12 +195,13 @@ class VLLMBackend:
         top: list[list[tuple[int, float]]] = []
         sent = 0
 
-        def delta(end: int, finish: Any = None) -> StreamDelta:
+        def delta(end: int, finish: Any = None, stop: str | None = None) -> StreamDelta:
             return StreamDelta(
                 token_ids=ids[sent:end],
                 logprobs=logprobs[sent:end],
                 top_logprobs=top[sent:end] if k else None,
                 finish_reason=finish,
+                stop_sequence=stop,
             )
 
         body = request_body(request, request.adapter or self.base_model, stream=True)
@@ -210,11 +219,11 @@ class VLLMBackend:
                     sent = safe
                 continue
             finish = finish_reason(raw)
-            end = len(ids)
+            end, stop = len(ids), None
             if text is not None and stopped_on_string(raw):
-                end = self._stop_cut(text)
+                end, stop = self._stop_cut(text), raw["stop_reason"]
             # Held-back tokens never include a stop string's start, so `end` >= `sent`.
-            yield delta(max(end, sent), finish)
+            yield delta(max(end, sent), finish, stop)
             return
         raise VLLMUnavailable(f"vLLM ended a stream without a finish reason{self._died()}")
 
