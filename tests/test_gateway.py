@@ -250,6 +250,18 @@ def test_openai_shaped_errors(server, attempt):
         assert exc.body["type"] == "not_found_error" and exc.body["code"] == "NotFound"
 
 
+def test_a_stream_refused_before_it_starts_is_a_plain_http_error(server, attempt):
+    base_url, _, _ = attempt
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client(base_url).chat.completions.create(
+            model="no-such-model", messages=messages, stream=True
+        )
+    wrong = client(f"{server.url}/rollouts/ro-nope/attempts/at-nope/v1")
+    with pytest.raises(openai.NotFoundError):
+        wrong.chat.completions.create(model=server.model, messages=messages, stream=True)
+
+
 async def test_async_client_concurrent_calls(server, attempt):
     base_url, rollout_id, _ = attempt
     api = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)

@@ -77,3 +77,12 @@ def test_the_gateway_knows_the_store_only_by_its_protocol():
     for path, name in _imports(ROOT / "lightning_core" / "gateway"):
         if name.startswith("lightning_core.store"):
             assert name == "lightning_core.store.base", f"{path}: {name}"
+
+
+def test_no_module_of_lightning_core_holds_more_than_600_lines():
+    # A module holds one concept; past 600 lines it has always held two.
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for p in (ROOT / "lightning_core").rglob("*.py")
+    }
+    assert {p: n for p, n in sizes.items() if n > 600} == {}

@@ -20,6 +20,7 @@ from lightning_core.gateway.protocol import ChatCompletionRequest, CompletionReq
 from lightning_core.gateway.service import (
     CallContext,
     ChatCall,
+    ChatEvent,
     ChatResult,
     ChoiceEnd,
     Gateway,
@@ -107,7 +108,9 @@ class OpenAIAPI:
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         call = self._call(req)
         if req.stream:
-            return self._chat_stream(req, ctx, call)
+            # Refusals found before generation (model, rollout, prompt) are a plain HTTP error.
+            started = await self.gateway.chat_stream(call, ctx)
+            return self._chat_stream(req, *started)
         result = await self.gateway.chat_result(call, ctx)
         out = []
         for choice in result.choices:
@@ -132,14 +135,13 @@ class OpenAIAPI:
         }
 
     async def _chat_stream(
-        self, req: ChatCompletionRequest, ctx: CallContext, call: ChatCall
+        self,
+        req: ChatCompletionRequest,
+        response_id: str,
+        start: float,
+        prompt_tokens: int,
+        events: AsyncIterator[ChatEvent],
     ) -> AsyncIterator[bytes]:
-        try:
-            response_id, start, prompt_tokens, events = await self.gateway.chat_stream(call, ctx)
-        except LightningError as exc:
-            yield _stream_error(exc)
-            yield DONE
-            return
         head = {"id": response_id, "object": "chat.completion.chunk", "created": int(start)}
         head["model"] = req.model
 
