@@ -67,6 +67,8 @@ def _call_transitions(span: Span) -> list[Transition]:
             response_logprobs=list(a.get(semconv.RESPONSE.format(i=i, key="logprobs"), [])),
             policy_version=a.get(semconv.POLICY_VERSION),
             output_constraint=constraint,
+            temperature=a.get("gen_ai.request.temperature", 1.0),
+            top_p=a.get("gen_ai.request.top_p", 1.0),
         )
         for i in range(count)
     ]

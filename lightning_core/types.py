@@ -218,6 +218,18 @@ class Transition(_Model):
     reward: FiniteFloat = 0.0
     advantage: FiniteFloat | None = None
     policy_version: str | None = None
+    temperature: FiniteFloat = Field(
+        1.0,
+        ge=0,
+        description="Temperature the response was sampled at; its logprobs are of the tempered "
+        "distribution, and training tempers its own the same way (0, greedy, reports T = 1).",
+    )
+    top_p: FiniteFloat = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus mass it was sampled with (the logprobs are before the nucleus cut).",
+    )
     output_constraint: Constraint | None = Field(
         None,
         description="The grammar the response was decoded under (structured outputs); its "

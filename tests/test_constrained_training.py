@@ -62,10 +62,9 @@ def test_the_trainer_reproduces_the_masked_behaviour_logprobs(constrained_sample
     batch = [_transition(constraint, c.token_ids, c.logprobs) for c in choices]
     x, masked = trainer._tensors(batch)
     assert len(masked) == len(batch)
-    width = x["mask"].shape[1]
     with torch.no_grad():
-        logp, _ = trainer._logprobs(x["ids"], x["attention"], width, masked)
-        plain, _ = trainer._logprobs(x["ids"], x["attention"], width, [])
+        logp, _ = trainer._logprobs(x, masked)
+        plain, _ = trainer._logprobs(x, [])
     on = x["mask"].bool()
     # A fresh LoRA adapter changes nothing: the trainer's policy is the one that sampled, and
     # with the grammar's renormalisation its logprobs are the recorded ones (ratio 1).

@@ -116,6 +116,8 @@ class LoRATrainer:
         old = torch.zeros((rows, width), dtype=torch.float32)
         advantage = torch.zeros((rows, width), dtype=torch.float32)
         masked: list[MaskedSpan] = []
+        # Greedy calls report logprobs at T = 1 (backends/base.py), so they train at 1 too.
+        temperature = torch.tensor([t.temperature or 1.0 for t in batch], dtype=torch.float32)
         for i, t in enumerate(batch):
             seq = t.prompt_token_ids + t.response_token_ids
             ids[i, : len(seq)] = torch.tensor(seq)
@@ -127,16 +129,24 @@ class LoRATrainer:
             if t.output_constraint is not None:
                 allowed = self._grammar.allowed(t.output_constraint, t.response_token_ids)
                 masked.append(MaskedSpan(i, start, end, allowed))
-        tensors = {"ids": ids, "attention": attention, "mask": mask, "old": old, "adv": advantage}
+        tensors = {
+            "ids": ids,
+            "attention": attention,
+            "mask": mask,
+            "old": old,
+            "adv": advantage,
+            "temperature": temperature,
+        }
         return {k: v.to(self.device) for k, v in tensors.items()}, masked
 
-    def _logprobs(
-        self, ids: torch.Tensor, attention: torch.Tensor, width: int, masked: list[MaskedSpan]
-    ) -> tuple[Any, Any]:
-        """Log-probabilities of the last `width` target tokens of each row (and their logits),
-        those of constrained calls over their grammar's allowed tokens."""
-        out = self.model(input_ids=ids, attention_mask=attention, logits_to_keep=width + 1)
-        logits = out.logits[:, :-1].float()
+    def _logprobs(self, x: dict[str, torch.Tensor], masked: list[MaskedSpan]) -> tuple[Any, Any]:
+        """Log-probabilities of the last `width` target tokens of each row (and their logits)
+        under the distribution each call was sampled from: tempered as it was, and for
+        constrained calls over their grammar's allowed tokens. On fresh rollouts they equal the
+        recorded behaviour logprobs, so every importance ratio starts at 1."""
+        ids, width = x["ids"], x["mask"].shape[1]
+        out = self.model(input_ids=ids, attention_mask=x["attention"], logits_to_keep=width + 1)
+        logits = out.logits[:, :-1].float() / x["temperature"][:, None, None]
         logp = torch.log_softmax(logits, dim=-1)
         targets = ids[:, ids.shape[1] - width :]
         chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -177,12 +187,11 @@ class LoRATrainer:
         )
         for batch in self._micro_batches(by_length):
             x, masked = self._tensors(batch)
-            width = x["mask"].shape[1]
-            logp, logits = self._logprobs(x["ids"], x["attention"], width, masked)
+            logp, logits = self._logprobs(x, masked)
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
-                    ref, _ = self._logprobs(x["ids"], x["attention"], width, masked)
+                    ref, _ = self._logprobs(x, masked)
             out = policy_loss(
                 logp,
                 x["old"],

@@ -123,6 +123,8 @@ TRANSITIONS = Table(
         ("advantage", "DOUBLE"),
         ("policy_version", "VARCHAR"),
         ("output_constraint", "JSON"),
+        ("temperature", "DOUBLE"),
+        ("top_p", "DOUBLE"),
     ),
 )
 
@@ -140,7 +142,11 @@ POLICY_VERSIONS = Table(
 TABLES = (ROLLOUT_LOG, ATTEMPT_LOG, SPANS, TRANSITIONS, POLICY_VERSIONS)
 # Columns added since a table was first released, for databases created before them: added
 # last, so that positional inserts line up.
-MIGRATIONS = ("ALTER TABLE transitions ADD COLUMN IF NOT EXISTS output_constraint JSON",)
+MIGRATIONS = (
+    "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS output_constraint JSON",
+    "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS temperature DOUBLE DEFAULT 1.0",
+    "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS top_p DOUBLE DEFAULT 1.0",
+)
 
 VIEWS = (
     "CREATE OR REPLACE VIEW rollouts AS SELECT * EXCLUDE (log_seq) FROM rollout_log "
@@ -222,6 +228,8 @@ def transition_row(t: Transition) -> tuple[Any, ...]:
         t.advantage,
         t.policy_version,
         _json(t.output_constraint.model_dump()) if t.output_constraint is not None else None,
+        t.temperature,
+        t.top_p,
     )
 
 
