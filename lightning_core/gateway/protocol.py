@@ -26,7 +26,15 @@ _UNSUPPORTED = {
 }
 
 
-class _OpenAIRequest(BaseModel):
+def check_tool_choice(tool_choice: Any) -> None:
+    """OpenAI's string tool choices; a dict names one tool (checked against the tools)."""
+    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
+        raise InvalidInput(f"tool_choice {tool_choice!r} is not none, auto or required")
+
+
+class OpenAIRequest(BaseModel):
+    """What OpenAI's request bodies share: model, sampling, stop, streaming, metadata."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(description="Base model name or a LoRA adapter (policy version) name.")
@@ -42,7 +50,7 @@ class _OpenAIRequest(BaseModel):
     metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> _OpenAIRequest:
+    def _refuse_unsupported(self) -> OpenAIRequest:
         for name, unused in _UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value not in unused:
@@ -89,7 +97,7 @@ def json_constraint(
     raise InvalidInput(f"{where} type {kind!r} is not text, json_object or json_schema")
 
 
-class ChatCompletionRequest(_OpenAIRequest):
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -108,12 +116,7 @@ class ChatCompletionRequest(_OpenAIRequest):
                 raise InvalidInput(f"messages[{i}].role {m.get('role')!r} is not a chat role")
         if self.top_logprobs and not self.logprobs:
             raise InvalidInput("top_logprobs needs logprobs=true")
-        if isinstance(self.tool_choice, str) and self.tool_choice not in (
-            "none",
-            "auto",
-            "required",
-        ):
-            raise InvalidInput(f"tool_choice {self.tool_choice!r} is not none, auto or required")
+        check_tool_choice(self.tool_choice)
         return self
 
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -139,7 +142,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return json_constraint(fmt.get("type"), spec.get("schema"), "response_format")
 
 
-class CompletionRequest(_OpenAIRequest):
+class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
 

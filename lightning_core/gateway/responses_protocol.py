@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from lightning_core.backends.base import Constraint
 from lightning_core.errors import InvalidInput
-from lightning_core.gateway.protocol import _OpenAIRequest, json_constraint
+from lightning_core.gateway.protocol import OpenAIRequest, check_tool_choice, json_constraint
 
 STATELESS = (
     "not supported: this gateway stores no responses; send the whole conversation in `input`"
@@ -38,7 +38,7 @@ _INCLUDABLE = {"reasoning.encrypted_content"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(_OpenAIRequest):
+class ResponsesRequest(OpenAIRequest):
     """POST /v1/responses, as the official clients and the Agents SDK send it."""
 
     input: str | list[dict[str, Any]]
@@ -77,12 +77,7 @@ class ResponsesRequest(_OpenAIRequest):
             raise InvalidInput("'reasoning' is not supported by this gateway; leave it unset")
         if (self.text or {}).get("verbosity") is not None:
             raise InvalidInput("'text.verbosity' is not supported by this gateway; leave it unset")
-        if isinstance(self.tool_choice, str) and self.tool_choice not in (
-            "none",
-            "auto",
-            "required",
-        ):
-            raise InvalidInput(f"tool_choice {self.tool_choice!r} is not none, auto or required")
+        check_tool_choice(self.tool_choice)
         return self
 
     # ------------------------------------------------------------------ input -> chat messages
