@@ -85,7 +85,12 @@ class TrainConfig(BaseModel):
     air_reward: float | None = Field(
         None, description="Override the profile's tool-success AIR reward (0 turns AIR off)."
     )
-    seed: int = Field(0, description="Seeds task sampling and the adapter's initialisation.")
+    seed: int = Field(
+        0,
+        description="Seeds task sampling, each rollout's sampling (a seed per rollout, sent to "
+        "the policy with its calls) and the adapter's initialisation: a repeated run samples "
+        "the same rollouts.",
+    )
     trainer: TrainerConfig = Field(default_factory=_demo_trainer)
     credit: CreditConfig = Field(default_factory=CreditConfig)
     registry: RegistryConfig = Field(

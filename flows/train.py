@@ -206,6 +206,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                 f"{run_name}-it{it}",
                 {"temperature": config.temperature},
                 config.max_attempts,
+                seed=config.seed,
+                iteration=it,
             )
             _fan_out(
                 config,

@@ -304,12 +304,16 @@ class Runner:
     def endpoint(self, claim: Claim) -> LLMEndpoint:
         """The LLM endpoint of an attempt: the gateway, under the attempt's prefix."""
         rollout, attempt = claim.rollout, claim.attempt
+        sampling = dict(rollout.metadata.get("sampling", {}))
+        if isinstance(sampling.get("seed"), int):
+            # A retry samples anew: the same seed would replay the attempt that failed.
+            sampling["seed"] += (attempt.sequence_id - 1) * 1_000_003
         return LLMEndpoint(
             base_url=f"{self.gateway_url}/rollouts/{rollout.rollout_id}"
             f"/attempts/{attempt.attempt_id}/v1",
             model=rollout.policy_version or self.config.default_model,
             api_key=self.api_key or "lightning",
-            sampling=rollout.metadata.get("sampling", {}),
+            sampling=sampling,
         )
 
     async def run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,13 @@ def sample_tasks(
     return rng.sample(list(train), min(count, len(train)))
 
 
+def rollout_seed(seed: int, iteration: int, index: int) -> int:
+    """The sampling seed of rollout `index` of an iteration's plan: a fixed function of the
+    run's seed, the iteration and the rollout's place in the plan."""
+    digest = hashlib.blake2b(f"{seed}/{iteration}/{index}".encode(), digest_size=4)
+    return int.from_bytes(digest.digest(), "big")
+
+
 @task(
     name="plan-rollouts",
     retries=2,
@@ -61,8 +69,14 @@ def plan_rollouts(
     group_prefix: str,
     sampling: dict[str, Any],
     max_attempts: int,
+    seed: int | None = None,
+    iteration: int = 0,
 ) -> list[str]:
-    """Queue G rollouts per task on the current policy; the ids of the queued rollouts."""
+    """Queue G rollouts per task on the current policy; the ids of the queued rollouts.
+
+    With the run's `seed`, each rollout samples with a seed of its own (`rollout_seed`), so
+    that a repeated run samples the same rollouts, and the G of a group still differ.
+    """
     requests = [
         RolloutRequest(
             input=t,
@@ -70,10 +84,13 @@ def plan_rollouts(
             group_id=f"{group_prefix}-{t['id']}",
             policy_version=policy_version,
             max_attempts=max_attempts,
-            metadata={"sampling": sampling},
+            metadata={
+                "sampling": sampling
+                if seed is None
+                else {**sampling, "seed": rollout_seed(seed, iteration, k)}
+            },
         )
-        for t in tasks
-        for _ in range(group_size)
+        for k, t in enumerate(t for t in tasks for _ in range(group_size))
     ]
 
     async def enqueue() -> list[str]:

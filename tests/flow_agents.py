@@ -18,6 +18,7 @@ def agent(task: dict[str, Any], llm: Any) -> float:
         messages=[{"role": "user", "content": task["question"]}],
         max_tokens=8,
         temperature=llm.sampling.get("temperature", 1.0),
+        seed=llm.sampling.get("seed"),
     )
     return float(len(reply.choices[0].message.content or "") % 2)
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from flows.train import train
 from lightning_core import analytics, serving
 from tasks import registry
+from tasks.rollouts import rollout_seed
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -73,6 +74,24 @@ def test_transitions_are_stored_with_rewards_and_advantages(trained):
     assert analytics.exported_iterations(run) == [1, 2]
     assert analytics.iteration_metrics(con, 2)["rollout/episodes"] == 12
     assert summary["iterations"] == 2 and (run / "reward_curve.png").stat().st_size > 1000
+
+
+def test_each_rollout_samples_with_its_own_seed_from_the_runs_seed(trained):
+    _, _, run = trained
+    with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
+        rows = con.execute(
+            "SELECT r.group_id, r.metadata, s.attributes FROM rollouts r "
+            "JOIN spans s USING (rollout_id) WHERE s.name LIKE 'chat %' AND r.mode = 'train'"
+        ).fetchall()
+    assert len(rows) == 2 * 3 * 4
+    seeds = [json.loads(metadata)["sampling"]["seed"] for _, metadata, _ in rows]
+    # The seed reached the policy with the call, and the G rollouts of a group differ in it.
+    assert [json.loads(attributes)["gen_ai.request.seed"] for *_, attributes in rows] == seeds
+    assert len(set(seeds)) == len(seeds)
+    # A fixed function of (run seed, iteration, place in the plan): a rerun samples the same.
+    assert sorted(seeds) == sorted(
+        rollout_seed(0, iteration, k) for iteration in (1, 2) for k in range(3 * 4)
+    )
 
 
 def test_each_iteration_trained_a_new_adapter_and_version_2_is_served_by_name(trained):
