@@ -31,12 +31,18 @@ class ThreadedServer:
 
     def __init__(self, app: Any, start_timeout: float = 20.0) -> None:
         self.start_timeout = start_timeout
-        self.port = free_port()
+        # Bound now and handed to uvicorn: a port only looked up here would stay free during
+        # the app's start-up (which may launch a server of its own, vLLM, on a free port).
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -54,6 +60,7 @@ class ThreadedServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=20)
+        self.socket.close()
 
 
 @contextlib.contextmanager
