@@ -46,29 +46,9 @@ def tool_calling_model(steps: int = 120) -> Path:
 
 
 def _train_tool_call(folder: Path, steps: int) -> None:
-    shutil.copytree(tiny_model_dir(), folder, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
     prompt = encode(tokenizer, render_chat(tokenizer, TOOL_QUESTION, TOOLS))
-    target = [*encode(tokenizer, TOOL_CALL_TEXT), tokenizer.eos_token_id]
-    ids = torch.tensor([prompt + target])
-    labels = torch.tensor([[-100] * len(prompt) + target])
-    torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 0.02:
-            break
-    model.eval()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False)
-    if out[0, len(prompt) :].tolist() != target:
-        raise RuntimeError(f"the tool-calling test model did not learn its call (loss {loss})")
-    model.save_pretrained(folder)
+    _train_answers(folder, [(prompt, TOOL_CALL_TEXT)], steps)
 
 
 def scaled_tiny_model(folder: Path, factor: float) -> Path:
@@ -131,5 +111,5 @@ def _train_answers(folder: Path, examples: list[tuple[list[int], str]], steps: i
                 torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False
             )
             if out[0, len(prompt) :].tolist() != target:
-                raise RuntimeError(f"the answering test model did not learn its answers ({loss})")
+                raise RuntimeError(f"the tiny test model did not learn its answers (loss {loss})")
     model.save_pretrained(folder)
