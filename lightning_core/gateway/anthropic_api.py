@@ -35,14 +35,11 @@ from lightning_core.gateway.service import (
     Gateway,
     TextDelta,
 )
+from lightning_core.gateway.sse import named_sse as sse
 
 __all__ = ["MessagesAPI", "MessagesRequest"]
 
 log = logging.getLogger(__name__)
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:

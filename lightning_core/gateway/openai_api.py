@@ -11,8 +11,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-
 from lightning_core.backends.base import Choice, GenerationRequest
 from lightning_core.backends.text import IncrementalText
 from lightning_core.errors import InvalidInput, LightningError
@@ -27,13 +25,7 @@ from lightning_core.gateway.service import (
     TextDelta,
     new_id,
 )
-
-
-def sse(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"
+from lightning_core.gateway.sse import DONE, sse
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -17,8 +17,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-
 from lightning_core.errors import LightningError
 from lightning_core.gateway.responses_protocol import ResponsesRequest
 from lightning_core.gateway.service import (
@@ -31,6 +29,7 @@ from lightning_core.gateway.service import (
     TextDelta,
     new_id,
 )
+from lightning_core.gateway.sse import named_sse
 
 __all__ = ["ResponsesAPI", "ResponsesRequest"]
 
@@ -161,8 +160,7 @@ class _EventStream:
         self._texts: list[str] = []
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, **fields, "sequence_number": next(self._numbers)}
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+        return named_sse({"type": kind, **fields, "sequence_number": next(self._numbers)})
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.message_id, "output_index": len(self.output), "content_index": 0}

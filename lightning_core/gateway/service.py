@@ -79,8 +79,6 @@ class ChatCall:
     n: int = 1
     # The client API the call came in through, recorded on its span.
     api: str = "chat.completions"
-    # Messages to record on the span as the call's input (default: `messages`).
-    recorded_input: Any = None
 
 
 @dataclass
@@ -286,9 +284,7 @@ class Gateway:
                 request=request,
                 choices=[c.generated for c in result.choices],
                 start=result.created,
-                input_messages=call.recorded_input
-                if call.recorded_input is not None
-                else call.messages,
+                input_messages=call.messages,
                 output_messages=[c.message() for c in result.choices],
             ),
         )
