@@ -159,6 +159,17 @@ def train(
     run_dir: Annotated[str | None, typer.Option(help="Folder of run folders (runs).")] = None,
     run_name: Annotated[str | None, typer.Option(help="Run folder name.")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
+    train_agent: Annotated[
+        list[str] | None,
+        typer.Option(help="Train this agent name's calls (repeat it); default: the profile's."),
+    ] = None,
+    policy_per_agent: Annotated[
+        bool | None,
+        typer.Option(
+            "--policy-per-agent/--shared-policy",
+            help="One LoRA adapter per trained agent, or one shared by all (the default).",
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="JSON file of TrainConfig fields (flows/config.py); flags win."),
@@ -189,6 +200,8 @@ def train(
         "run_dir": run_dir,
         "run_name": run_name,
         "seed": seed,
+        "train_agents": train_agent or None,
+        "policy_per_agent": policy_per_agent,
     }
     fields |= {k: v for k, v in flags.items() if v is not None}
     try:

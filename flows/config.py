@@ -82,6 +82,12 @@ class TrainConfig(BaseModel):
     train_agents: list[str] | None = Field(
         None, description="Train only these agent names' calls; None: the profile's choice."
     )
+    policy_per_agent: bool = Field(
+        False,
+        description="One LoRA adapter per trained agent (train_agents, else the profile's), each "
+        "trained on its own agent's calls and serving them; published, evaluated, registered and "
+        "promoted together. False: one policy shared by every agent, as in the paper.",
+    )
     air_reward: float | None = Field(
         None, description="Override the profile's tool-success AIR reward (0 turns AIR off)."
     )

@@ -12,12 +12,18 @@ evaluation, then MLflow registration with a gated promotion.
       publish    adapter k registered as policy version <run>-v<k>; the next rollouts use it
       evaluate   every E iterations and at the end
     register   MLflow model version (challenger); champion only if it beats the champion
+
+With `policy_per_agent`, each trained agent has its own adapter and trainer: train splits the
+iteration's transitions by agent, publish registers <run>-v<k>-<agent> per agent and <run>-v<k>,
+which serves each agent's calls with its own, and that one version is evaluated, registered
+(the agents' adapters in one model version) and promoted or refused as a whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,7 @@ from lightning_core.adapter import AdapterConfig
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.collect import CreditConfig
+from lightning_core.errors import InvalidInput
 from lightning_core.evaluation import EvalResult
 from lightning_core.rewards import AIRRule
 from tasks import progress, registry, report
@@ -41,7 +48,7 @@ from tasks.evaluation import evaluate_policy
 from tasks.profiles import AgentProfile, profile
 from tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts, sample_tasks
 from tasks.server import PolicyServer, policy_server
-from tasks.training import ensure_gpu_limit, publish_policy, train_policy
+from tasks.training import ensure_gpu_limit, publish_policy, train_agent_policies, train_policy
 
 _D = TrainConfig()
 
@@ -86,6 +93,38 @@ def _air(agent: AgentProfile, config: TrainConfig) -> list[AIRRule]:
     if config.air_reward == 0:
         return []
     return [AIRRule(name=semconv.TOOL_SPAN, outcome="success", reward=config.air_reward)]
+
+
+# Agent names become folder and policy version names with policy_per_agent.
+_AGENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _policy_agents(config: TrainConfig, agent: AgentProfile) -> list[str] | None:
+    """The agents that get a policy each with policy_per_agent; None: one shared policy."""
+    if not config.policy_per_agent:
+        return None
+    names = config.train_agents or agent.train_agents
+    if not names:
+        raise InvalidInput(
+            f"policy_per_agent trains one adapter per agent, but agent {agent.name!r} names no "
+            "agents to train: set train_agents to the agent names its calls carry "
+            "(X-Lightning-Agent), e.g. train_agents=['writer', 'rewriter']"
+        )
+    bad = [n for n in names if not _AGENT_NAME.fullmatch(n)]
+    if bad or len(set(names)) != len(names):
+        raise InvalidInput(
+            f"policy_per_agent needs distinct agent names of letters, digits, '.', '_' and '-' "
+            f"(they name adapter folders and policy versions); got {names}"
+        )
+    return list(names)
+
+
+def _trainers(trainer_config: TrainerConfig, agents: list[str]) -> dict[str, LoRATrainer]:
+    # Each agent's adapter starts from its own seed, so they are independent from step 0.
+    return {
+        name: LoRATrainer(trainer_config.model_copy(update={"seed": trainer_config.seed + i}))
+        for i, name in enumerate(agents)
+    }
 
 
 @task(name="register-policy", timeout_seconds=900, cache_policy=NO_CACHE)
@@ -136,6 +175,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     """The flow's body, for a validated config."""
     log = get_run_logger()
     agent = profile(config.agent, config.tasks)
+    policy_agents = _policy_agents(config, agent)
     if config.rollout_timeout_s is None:
         config = config.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
     run_name, root = _run_folder(config, agent)
@@ -193,7 +233,9 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         progress.report(root, "evaluated", iteration=0, **base.model_dump())
         log.info("base model: %s", base.summary())
 
-        trainer = LoRATrainer(trainer_config)
+        # One trainer per agent with policy_per_agent (each loads its own copy of the model).
+        trainers = _trainers(trainer_config, policy_agents) if policy_agents else {}
+        trainer = None if trainers else LoRATrainer(trainer_config)
         policy, adapter_dir = server.base_model, ""
         for it in range(1, config.iterations + 1):
             progress.report(root, "iteration", iteration=it, policy=policy)
@@ -231,13 +273,22 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             )
             progress.report(root, "training", iteration=it, transitions=len(collected.trainable))
             adapter_dir = str(root / "adapters" / f"v{it}")
-            trained = train_policy(
-                trainer,
-                collected.transitions,
-                adapter_dir,
-                config.updates_per_iteration,
-                config.seed + it,
-            )
+            if trainers:
+                trained = train_agent_policies(
+                    trainers,
+                    collected.transitions,
+                    adapter_dir,
+                    config.updates_per_iteration,
+                    config.seed + it,
+                )
+            else:
+                trained = train_policy(
+                    trainer,
+                    collected.transitions,
+                    adapter_dir,
+                    config.updates_per_iteration,
+                    config.seed + it,
+                )
             policy = publish_policy(
                 server.url, f"{run_name}-v{it}", server.base_model, adapter_dir, it
             )
@@ -289,6 +340,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             "gain_points": round((final.accuracy - base.accuracy) * 100, 1),
             "policy_version": policy,
             "adapter": adapter_dir,
+            "policy_agents": policy_agents,
             "promotion": decision.model_dump(),
             "reward_curve": str(curve),
             "minutes": round((time.time() - started) / 60, 1),
@@ -335,6 +387,7 @@ def train(
     run_dir: str = _D.run_dir,
     run_name: str | None = _D.run_name,
     train_agents: list[str] | None = _D.train_agents,
+    policy_per_agent: bool = _D.policy_per_agent,
     air_reward: float | None = _D.air_reward,
     seed: int = _D.seed,
     trainer: TrainerConfig = _D.trainer,

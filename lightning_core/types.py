@@ -243,6 +243,11 @@ class PolicyVersion(_Model):
     name: str = Field(min_length=1, description="Unique name the gateway serves it under.")
     base_model: str = Field(description="Hub id or local folder of the base model.")
     adapter_path: str | None = Field(None, description="PEFT adapter folder; None = base model.")
+    agent_policies: dict[str, str] = Field(
+        default_factory=dict,
+        description="One policy per agent: agent name (X-Lightning-Agent) -> the policy version "
+        "that serves that agent's calls. Calls of other agents get this version's own adapter.",
+    )
     created_at: float = Field(default_factory=now)
     metadata: dict[str, Any] = Field(default_factory=dict)
 

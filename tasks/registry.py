@@ -7,6 +7,10 @@ evaluation and serving pick up) moves to a new version only when its held-out sc
 champion's by a margin: a gate, so that noise in a small benchmark cannot swap the served model
 back and forth. Every decision is written on the version's tags, so the registry alone tells why
 each version was or was not promoted.
+
+A policy with one adapter per agent (TrainConfig.policy_per_agent) is one model version all the
+same: its `adapter` artifact holds a sub-folder per agent, and the version is scored, promoted
+or refused as a whole, as it was evaluated.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ TAG_DECISION = "promotion.decision"
 TAG_REASON = "promotion.reason"
 TAG_CHAMPION_SCORE = "promotion.champion_score"
 TAG_CHAMPION_VERSION = "promotion.champion_version"
+# Comma-separated agent names of a version with one adapter per agent; absent for a shared one.
+TAG_AGENTS = "agents"
+# The logged model's load-time option naming the agent whose adapter answers (per-agent only).
+AGENT_OPTION = "agent"
 
 # MLflow refuses longer param values; a param is for reading in the UI, not for a whole config.
 _MAX_PARAM_CHARS = 6000
@@ -207,19 +215,30 @@ class AdapterModel(PythonModel):
 
     Each input string is one user message; the output is the assistant's reply. The pickle
     refers to this class by name, so loading needs lightning-rl installed. Load-time options
-    come from `model_config` (`mlflow.pyfunc.load_model(uri, model_config={...})`).
+    come from `model_config` (`mlflow.pyfunc.load_model(uri, model_config={...})`); for a policy
+    with one adapter per agent, `agent` picks whose adapter answers (the first agent's unless set).
     """
 
     def load_context(self, context: PythonModelContext) -> None:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from lightning_core.algo.trainer import agent_adapter_dirs
         from lightning_core.models import resolve_model
 
         base = resolve_model(context.model_config[TAG_BASE_MODEL])
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         model = AutoModelForCausalLM.from_pretrained(base)
-        self.model = PeftModel.from_pretrained(model, context.artifacts[ADAPTER_ARTIFACT]).eval()
+        adapter = Path(context.artifacts[ADAPTER_ARTIFACT])
+        agents = agent_adapter_dirs(adapter)
+        if agents:
+            agent = context.model_config.get(AGENT_OPTION) or next(iter(agents))
+            if agent not in agents:
+                raise InvalidInput(
+                    f"this policy has adapters for agents {', '.join(agents)}; not {agent!r}"
+                )
+            adapter = agents[agent]
+        self.model = PeftModel.from_pretrained(model, str(adapter)).eval()
         self.max_new_tokens = int(context.model_config.get("max_new_tokens", _MAX_NEW_TOKENS))
 
     def predict(
@@ -257,22 +276,29 @@ def _requirements() -> list[str]:
     return pins
 
 
-def _staged_adapter(adapter: Path, scratch: Path) -> Path:
-    """A copy of the adapter folder without the trainer's optimizer state, named `adapter`.
+def _staged_adapter(adapter: Path, scratch: Path) -> tuple[Path, list[str]]:
+    """A copy of the adapter folder without the trainer's optimizer state, named `adapter`, and
+    the agents it has an adapter each for (none: one adapter, shared).
 
     The optimizer state is for resuming training, not for serving, and is twice the adapter's
-    size; the fixed folder name fixes where the adapter lies inside the logged model.
+    size; the fixed folder name fixes where the adapter lies inside the logged model. A policy
+    with one adapter per agent keeps its layout: a sub-folder per agent.
     """
-    from lightning_core.algo.trainer import STATE_FILE
+    from lightning_core.algo.trainer import ADAPTER_CONFIG, STATE_FILE, agent_adapter_dirs
 
-    if not (adapter / "adapter_config.json").is_file():
+    agents = agent_adapter_dirs(adapter)
+    if not agents and not (adapter / ADAPTER_CONFIG).is_file():
         raise InvalidInput(
-            f"{adapter} is not a PEFT adapter folder (no adapter_config.json); pass the folder "
-            "that LoRATrainer.save (or save_pretrained) wrote"
+            f"{adapter} is not a PEFT adapter folder (no {ADAPTER_CONFIG}), nor a folder of "
+            "one per agent; pass the folder that LoRATrainer.save (or save_pretrained) wrote"
         )
     staged = scratch / ADAPTER_ARTIFACT
-    shutil.copytree(adapter, staged, ignore=shutil.ignore_patterns(STATE_FILE))
-    return staged
+    ignore = shutil.ignore_patterns(STATE_FILE)
+    if not agents:
+        shutil.copytree(adapter, staged, ignore=ignore)
+    for agent, path in agents.items():
+        shutil.copytree(path, staged / agent, ignore=ignore)
+    return staged, list(agents)
 
 
 class _DropPickleWarning(logging.Filter):
@@ -294,9 +320,11 @@ def register_adapter(
 ) -> ModelVersion:
     """Log the adapter as a model of the run, register it as a new version, make it challenger.
 
-    `run_id` None is this thread's active run (or no run); the version's tags record the policy
-    version, iteration, base model and held-out score. The returned version's `.version` is an
-    int with the SQLite store, though MLflow types it str.
+    `adapter` is one PEFT adapter folder, or a folder of one per agent (`<adapter>/<agent>/`),
+    registered together as one version (tagged with its agents). `run_id` None is this thread's
+    active run (or no run); the version's tags record the policy version, iteration, base model
+    and held-out score. The returned version's `.version` is an int with the SQLite store, though
+    MLflow types it str.
     """
     if not math.isfinite(score):
         raise InvalidInput(f"the adapter's score is {score}; evaluation must give a number")
@@ -310,10 +338,14 @@ def register_adapter(
         TAG_BASE_MODEL: base_model,
         TAG_SCORE: repr(float(score)),
     }
+    model_config: dict[str, Any] = {TAG_BASE_MODEL: base_model, "max_new_tokens": _MAX_NEW_TOKENS}
     pickle_warning = _DropPickleWarning()
     pyfunc_logger = logging.getLogger("mlflow.pyfunc")
     with tempfile.TemporaryDirectory(prefix="lightning-adapter-") as scratch:
-        staged = _staged_adapter(Path(adapter), Path(scratch))
+        staged, agents = _staged_adapter(Path(adapter), Path(scratch))
+        if agents:
+            tags[TAG_AGENTS] = ",".join(agents)
+            model_config[AGENT_OPTION] = agents[0]
         pyfunc_logger.addFilter(pickle_warning)
         try:
             # Model.log rather than pyfunc.log_model: it takes the run explicitly, so a task in
@@ -327,7 +359,7 @@ def register_adapter(
                 artifacts={ADAPTER_ARTIFACT: str(staged)},
                 pip_requirements=_requirements(),
                 # Only keys present here can be overridden at load time.
-                model_config={TAG_BASE_MODEL: base_model, "max_new_tokens": _MAX_NEW_TOKENS},
+                model_config=model_config,
                 metadata=tags,
                 tags=tags,
                 step=iteration,
@@ -536,7 +568,8 @@ def champion_adapter(
     """Download the adapter of the champion (or of a version number or another alias).
 
     None when the alias points nowhere or the model has no such version yet. `dst` None
-    downloads into a new temporary folder.
+    downloads into a new temporary folder. A version with one adapter per agent downloads as a
+    folder of them, which publish_policy (tasks/training.py) serves per agent as it was trained.
     """
     client = _client(config)
     name = config.registered_model

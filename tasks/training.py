@@ -1,10 +1,16 @@
-"""Prefect tasks of the update stage: train the LoRA policy, publish it to the gateway."""
+"""Prefect tasks of the update stage: train the LoRA policy, publish it to the gateway.
+
+With one policy per agent (TrainConfig.policy_per_agent), each agent's trainer learns from its
+agent's own transitions and saves into `<policy folder>/<agent>/`; the folder is then published
+as one policy version whose calls are served per agent.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import random
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
-from lightning_core.algo.trainer import LoRATrainer
+from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.errors import Conflict
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import PolicyVersion, Transition
@@ -73,6 +79,66 @@ def train_policy(
     return metrics
 
 
+def train_agent_policies(
+    trainers: Mapping[str, LoRATrainer],
+    transitions: Sequence[Transition],
+    policy_dir: str,
+    updates: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One train-policy run per agent, on that agent's transitions only (so an agent's update
+    leaves the others' adapters as they were), saved to `<policy_dir>/<agent>/`.
+
+    Metrics are per agent (`train/<agent>/loss`), plus `train/transitions` and
+    `train/skipped_transitions` summed over the agents.
+    """
+    metrics: dict[str, Any] = {"train/transitions": 0.0, "train/skipped_transitions": 0.0}
+    for name, trainer in trainers.items():
+        own = [t for t in transitions if t.agent_name == name]
+        trained = train_policy.with_options(task_run_name=f"train-policy-{name}")(
+            trainer, own, str(Path(policy_dir) / name), updates, seed
+        )
+        for key in ("train/transitions", "train/skipped_transitions"):
+            metrics[key] += trained[key]
+        metrics |= {f"train/{name}/{k.removeprefix('train/')}": v for k, v in trained.items()}
+    return metrics
+
+
+def _policy_versions(
+    name: str, base_model: str, adapter_dir: str, iteration: int
+) -> list[PolicyVersion]:
+    """The versions that publish a policy folder: itself for one shared adapter; for one adapter
+    per agent, a version per agent (`<name>-<agent>`), then `name` mapping each agent to its own."""
+    folder = Path(adapter_dir).resolve()
+    agents = agent_adapter_dirs(folder)
+    if not agents:
+        return [
+            PolicyVersion(
+                name=name,
+                base_model=base_model,
+                adapter_path=str(folder),
+                metadata={"iteration": iteration},
+            )
+        ]
+    own = [
+        PolicyVersion(
+            name=f"{name}-{agent}",
+            base_model=base_model,
+            adapter_path=str(path),
+            metadata={"iteration": iteration, "agent": agent},
+        )
+        for agent, path in agents.items()
+    ]
+    # No adapter of its own: calls of agents without one are served by the base model.
+    together = PolicyVersion(
+        name=name,
+        base_model=base_model,
+        agent_policies={v.metadata["agent"]: v.name for v in own},
+        metadata={"iteration": iteration},
+    )
+    return [*own, together]
+
+
 @task(
     name="publish-policy",
     retries=3,
@@ -84,23 +150,24 @@ def publish_policy(
     server_url: str, name: str, base_model: str, adapter_dir: str, iteration: int
 ) -> str:
     """Register the adapter as policy version `name`: the gateway serves it by that name from
-    the next request on (it loads the adapter on first use)."""
-    version = PolicyVersion(
-        name=name,
-        base_model=base_model,
-        adapter_path=str(Path(adapter_dir).resolve()),
-        metadata={"iteration": iteration},
-    )
+    the next request on (it loads the adapter on first use). A folder of per-agent adapters
+    (train_agent_policies) becomes one version per agent and `name`, which serves each agent's
+    calls with its own; the agents' versions go first, so `name` never names a missing one."""
+    versions = _policy_versions(name, base_model, adapter_dir, iteration)
 
     async def add() -> str:
         async with HttpStoreClient(server_url) as store:
-            try:
-                await store.add_policy_version(version)
-            except Conflict:
-                # A retry after a lost response: the version is there, with this adapter.
-                existing = await store.get_policy_version(name)
-                if existing.adapter_path != version.adapter_path:
-                    raise
+            for version in versions:
+                try:
+                    await store.add_policy_version(version)
+                except Conflict:
+                    # A retry after a lost response: the version is there, with this adapter.
+                    existing = await store.get_policy_version(version.name)
+                    if (existing.adapter_path, existing.agent_policies) != (
+                        version.adapter_path,
+                        version.agent_policies,
+                    ):
+                        raise
             return name
 
     return asyncio.run(add())

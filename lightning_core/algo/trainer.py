@@ -6,6 +6,10 @@ turns. The batch is cut into micro-batches that fit a token budget; their gradie
 weighted so that the update equals one over the whole batch; then the gradient is clipped and
 AdamW steps. Each saved version holds the adapter (PEFT format) and the optimizer state, so that
 training resumes exactly where it stopped.
+
+A policy with one adapter per agent of a multi-agent system is one trainer per agent, each saved
+into a sub-folder named after its agent (`<policy>/<agent>/`); `agent_adapter_dirs` reads that
+layout back, for publishing and registering the agents' adapters together.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ from lightning_core.models import resolve_model
 from lightning_core.types import Transition
 
 STATE_FILE = "trainer_state.pt"
+# The file that marks a folder as one PEFT adapter.
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def agent_adapter_dirs(folder: str | Path) -> dict[str, Path]:
+    """The adapters of a policy saved one per agent (`<folder>/<agent>/`), by agent name; empty
+    when `folder` is itself one adapter, which every agent shares."""
+    folder = Path(folder)
+    if (folder / ADAPTER_CONFIG).is_file() or not folder.is_dir():
+        return {}
+    return {sub.name: sub for sub in sorted(folder.iterdir()) if (sub / ADAPTER_CONFIG).is_file()}
 
 
 class LoRATrainer:

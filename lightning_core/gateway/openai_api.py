@@ -223,7 +223,7 @@ class OpenAIAPI:
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         gateway = self.gateway
         gateway.check_rollout(ctx)
-        adapter = await gateway.adapter_for(req.model)
+        adapter = await gateway.adapter_for(req.model, ctx.agent_name)
         params = req.sampling(gateway.max_tokens(req.max_tokens), req.logprobs or 0)
         requests = [
             GenerationRequest(

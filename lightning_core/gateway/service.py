@@ -9,7 +9,9 @@ or not. Text completions (`/v1/completions`) take token ids or text directly (op
 Each call inside a rollout attempt becomes one span in the store (see spans.py); calls outside a
 rollout (evaluation, plain serving) are answered the same way and recorded nowhere. The `model`
 of a request names the policy version: the base model, a loaded LoRA adapter, or a policy
-version registered in the store, whose adapter is then loaded on first use.
+version registered in the store, whose adapter is then loaded on first use. A version with one
+policy per agent (`agent_policies`) serves each named agent's calls with that agent's own version,
+picked by the agent name the call carries, and records that version on the call's span.
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ class Gateway:
         self.store = store
         self.config = config or GatewayConfig()
         self._loading = asyncio.Lock()
+        # Policy versions never change once registered, so their agent maps are kept after the
+        # first lookup: an agent's calls then skip the store.
+        self._agent_policies: dict[str, dict[str, str]] = {}
 
     @property
     def tokenizer(self) -> Any:
@@ -167,10 +172,15 @@ class Gateway:
         data += [model_object(name, parent=base) for name in self.backend.adapters()]
         return {"object": "list", "data": data}
 
-    async def adapter_for(self, model: str) -> str | None:
-        """The adapter serving `model` (None: the base model), loading a registered one."""
+    async def adapter_for(self, model: str, agent: str | None = None) -> str | None:
+        """The adapter serving `model` (None: the base model) to a call of `agent`, loading a
+        registered one. When `model` has a policy of `agent`'s own, that policy's adapter; its
+        own agent map is not followed (one level), so maps cannot form cycles."""
         if model == self.backend.base_model:
             return None
+        own = self._agent_policies.get(model, {}).get(agent) if agent is not None else None
+        if own is not None:
+            return await self.adapter_for(own)
         if model in self.backend.adapters():
             return model
         version = None
@@ -185,6 +195,10 @@ class Gateway:
                 f"model {model!r} is not served here; served: {', '.join(served)} "
                 "(or any policy version registered in the store)"
             )
+        if version.agent_policies:
+            self._agent_policies[model] = dict(version.agent_policies)
+            if agent in version.agent_policies:
+                return await self.adapter_for(version.agent_policies[agent])
         if version.adapter_path is None:
             return None
         async with self._loading:
@@ -249,7 +263,7 @@ class Gateway:
 
     async def _prepare(self, call: ChatCall, ctx: CallContext) -> GenerationRequest:
         self.check_rollout(ctx)
-        adapter = await self.adapter_for(call.model)
+        adapter = await self.adapter_for(call.model, ctx.agent_name)
         prompt = chat_format.render_chat(
             self.tokenizer, call.messages, call.tools, self.config.tool_format
         )

@@ -136,6 +136,7 @@ POLICY_VERSIONS = Table(
         ("adapter_path", "VARCHAR"),
         ("created_at", "DOUBLE"),
         ("metadata", "JSON"),
+        ("agent_policies", "JSON"),
     ),
 )
 
@@ -146,6 +147,7 @@ MIGRATIONS = (
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS output_constraint JSON",
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS temperature DOUBLE DEFAULT 1.0",
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS top_p DOUBLE DEFAULT 1.0",
+    "ALTER TABLE policy_versions ADD COLUMN IF NOT EXISTS agent_policies JSON DEFAULT '{}'",
 )
 
 VIEWS = (
@@ -234,11 +236,18 @@ def transition_row(t: Transition) -> tuple[Any, ...]:
 
 
 def policy_version_row(p: PolicyVersion) -> tuple[Any, ...]:
-    return (p.name, p.base_model, p.adapter_path, p.created_at, _json(p.metadata))
+    return (
+        p.name,
+        p.base_model,
+        p.adapter_path,
+        p.created_at,
+        _json(p.metadata),
+        _json(p.agent_policies),
+    )
 
 
 JSON_FIELDS = frozenset(
-    {"input", "metadata", "attributes", "events", "resource", "output_constraint"}
+    {"input", "metadata", "attributes", "events", "resource", "output_constraint", "agent_policies"}
 )
 
 
