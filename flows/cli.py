@@ -143,7 +143,10 @@ def _run_with_view(fn: Any, run_dir: Path, iterations: int) -> Any:
 
 @app.command()
 def train(
-    agent: Annotated[str, typer.Option(help="Agent profile (calc) or 'module:function'.")] = "calc",
+    agent: Annotated[
+        str | None,
+        typer.Option(help="Agent profile (calc, sql, rag) or 'module:function'; default calc."),
+    ] = None,
     iterations: Annotated[int | None, typer.Option(help="Training iterations.")] = None,
     tasks_per_iteration: Annotated[int | None, typer.Option(help="Tasks per iteration.")] = None,
     group_size: Annotated[int | None, typer.Option(help="Rollouts per task (G).")] = None,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.collect import CreditConfig
+from lightning_core.curriculum import CurriculumConfig
 from tasks.registry import RegistryConfig
 
 
@@ -99,6 +100,11 @@ class TrainConfig(BaseModel):
     )
     trainer: TrainerConfig = Field(default_factory=_demo_trainer)
     credit: CreditConfig = Field(default_factory=CreditConfig)
+    curriculum: CurriculumConfig = Field(
+        default_factory=CurriculumConfig,
+        description="How each iteration draws its tasks: by tier, and with resampling when too "
+        "few groups carry a signal.",
+    )
     registry: RegistryConfig = Field(
         default_factory=lambda: RegistryConfig(registered_model=""),
         description="MLflow; an empty registered_model means the profile's.",

@@ -4,9 +4,10 @@ evaluation, then MLflow registration with a gated promotion.
     serve      store + OpenAI-compatible gateway + backend (a child process)
     evaluate   the base model on the held-out split (iteration 0)
     each iteration k = 1..N
-      plan       sample tasks, G rollouts each on the current policy
+      plan       draw tasks by the curriculum's tiers, G rollouts each on the current policy
       rollout    run-rollouts.map over workers (threads, Ray or Dask)
       collect    spans -> transitions, LightningRL credit, group advantages (stored)
+                 (dynamic sampling: while too few groups carry a signal, more tasks)
       analyze    Parquet export + DuckDB metrics (MLflow, Prefect table)
       train      LoRA policy-gradient update (global concurrency limit "gpu")
       publish    adapter k registered as policy version <run>-v<k>; the next rollouts use it
@@ -38,7 +39,9 @@ from lightning_core import analytics, semconv
 from lightning_core.adapter import AdapterConfig
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import LoRATrainer
-from lightning_core.collect import CreditConfig
+from lightning_core.collect import Collected, CreditConfig
+from lightning_core.comparison import compare
+from lightning_core.curriculum import Curriculum, CurriculumConfig, group_signal
 from lightning_core.errors import InvalidInput
 from lightning_core.evaluation import EvalResult
 from lightning_core.rewards import AIRRule
@@ -46,7 +49,7 @@ from tasks import progress, registry, report
 from tasks.analysis import analyze_iteration
 from tasks.evaluation import evaluate_policy
 from tasks.profiles import AgentProfile, profile
-from tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts, sample_tasks
+from tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
 from tasks.server import PolicyServer, policy_server
 from tasks.training import ensure_gpu_limit, publish_policy, train_agent_policies, train_policy
 
@@ -127,6 +130,77 @@ def _trainers(trainer_config: TrainerConfig, agents: list[str]) -> dict[str, LoR
     }
 
 
+def _rollout_rounds(
+    config: TrainConfig,
+    agent: AgentProfile,
+    server_url: str,
+    curriculum: Curriculum,
+    policy: str,
+    run_name: str,
+    it: int,
+    root: Path,
+) -> tuple[Collected, dict[str, float]]:
+    """An iteration's rollouts: tasks drawn by the curriculum, G rollouts each, collected;
+    then, while fewer than tasks_per_iteration groups carry a signal and rounds are left,
+    another round of as many new tasks (dynamic sampling). Returns the merged transitions and
+    what was sampled."""
+    adapter = AdapterConfig(
+        agents=config.train_agents or agent.train_agents, air=_air(agent, config)
+    )
+    credit = config.credit.model_copy(update={"success_threshold": agent.success_threshold})
+    wanted = config.tasks_per_iteration
+    merged, drawn, with_signal = Collected(), [], 0
+    weights = curriculum.weights()
+    for round_ in range(config.curriculum.max_rounds):
+        chosen = curriculum.sample(
+            wanted - with_signal, it, round_, exclude=(str(t["id"]) for t in drawn)
+        )
+        if not chosen:
+            break
+        rollout_ids = plan_rollouts(
+            server_url,
+            chosen,
+            config.group_size,
+            policy,
+            f"{run_name}-it{it}",
+            {"temperature": config.temperature},
+            config.max_attempts,
+            seed=config.seed,
+            iteration=it,
+            first_index=len(drawn) * config.group_size,
+        )
+        drawn += chosen
+        _fan_out(
+            config,
+            {
+                "worker": list(range(config.rollout_workers)),
+                "server_url": unmapped(server_url),
+                "agent": unmapped(agent.agent),
+                "rollout_ids": unmapped(rollout_ids),
+                "concurrency": unmapped(config.rollout_concurrency),
+                "rollout_timeout_s": unmapped(config.rollout_timeout_s),
+                "default_model": unmapped(policy),
+                "run_dir": unmapped(str(root)),
+            },
+        )
+        collected = collect_transitions(server_url, rollout_ids, adapter, credit)
+        merged.transitions += collected.transitions
+        merged.facts |= collected.facts
+        task_of = {r: str(f.task_id) for r, f in collected.facts.items()}
+        with_signal += sum(group_signal(collected.transitions, task_of).values())
+        if with_signal >= wanted:
+            break
+    task_of = {r: str(f.task_id) for r, f in merged.facts.items()}
+    curriculum.observe(group_signal(merged.transitions, task_of), drawn)
+    sampled = {
+        "rollout/rounds": float(round_ + 1),
+        "rollout/tasks_drawn": float(len(drawn)),
+        "rollout/groups_with_signal": float(with_signal),
+        **{f"curriculum/weight_{tier}": w for tier, w in weights.items()},
+    }
+    return merged, sampled
+
+
 @task(name="register-policy", timeout_seconds=900, cache_policy=NO_CACHE)
 def register_policy(
     config: registry.RegistryConfig,
@@ -187,12 +261,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         registry_config = registry_config.model_copy(
             update={"registered_model": agent.registered_model}
         )
-    adapter = AdapterConfig(
-        agents=config.train_agents or agent.train_agents, air=_air(agent, config)
-    )
-    credit: CreditConfig = config.credit.model_copy(
-        update={"success_threshold": agent.success_threshold}
-    )
+    curriculum = Curriculum(train_tasks, config.curriculum, config.seed)
     trainer_config: TrainerConfig = config.trainer.model_copy(
         update={"model": config.model, "seed": config.seed}
     )
@@ -239,32 +308,9 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         policy, adapter_dir = server.base_model, ""
         for it in range(1, config.iterations + 1):
             progress.report(root, "iteration", iteration=it, policy=policy)
-            chosen = sample_tasks(train_tasks, config.tasks_per_iteration, config.seed, it)
-            rollout_ids = plan_rollouts(
-                server.url,
-                chosen,
-                config.group_size,
-                policy,
-                f"{run_name}-it{it}",
-                {"temperature": config.temperature},
-                config.max_attempts,
-                seed=config.seed,
-                iteration=it,
+            collected, sampled = _rollout_rounds(
+                config, agent, server.url, curriculum, policy, run_name, it, root
             )
-            _fan_out(
-                config,
-                {
-                    "worker": list(range(config.rollout_workers)),
-                    "server_url": unmapped(server.url),
-                    "agent": unmapped(agent.agent),
-                    "rollout_ids": unmapped(rollout_ids),
-                    "concurrency": unmapped(config.rollout_concurrency),
-                    "rollout_timeout_s": unmapped(config.rollout_timeout_s),
-                    "default_model": unmapped(policy),
-                    "run_dir": unmapped(str(root)),
-                },
-            )
-            collected = collect_transitions(server.url, rollout_ids, adapter, credit)
             analysis = analyze_iteration(
                 str(root),
                 it,
@@ -292,7 +338,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             policy = publish_policy(
                 server.url, f"{run_name}-v{it}", server.base_model, adapter_dir, it
             )
-            metrics = {**analysis["metrics"], **trained}
+            metrics = {**analysis["metrics"], **sampled, **trained}
             registry.log_metrics(metrics, step=it, run_id=run_id)
             progress.report(root, "iterated", iteration=it, policy=policy, **metrics)
             log.info(
@@ -311,6 +357,17 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                 log.info("held-out after iteration %d: %s", it, result.summary())
 
         final = evals[-1][1]
+        # Base and final on the same tasks: per-tier rows and the paired interval of the gain.
+        comparison = compare(
+            base,
+            final,
+            test_tasks,
+            config.curriculum.tier_key,
+            agent.success_threshold,
+            config.seed,
+        )
+        (root / "heldout_comparison.json").write_text(comparison.model_dump_json(indent=2))
+        log.info("held-out, base vs final:\n%s", comparison.markdown())
         decision = register_policy(
             registry_config,
             adapter_dir,
@@ -338,6 +395,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             "base": base.model_dump(),
             "final": final.model_dump(),
             "gain_points": round((final.accuracy - base.accuracy) * 100, 1),
+            "gain_ci_points": list(comparison.gain_ci_points),
+            "per_tier": [r.model_dump() for r in comparison.rows],
             "policy_version": policy,
             "adapter": adapter_dir,
             "policy_agents": policy_agents,
@@ -350,6 +409,11 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             report.markdown(title, history, evals, curve, decision.reason, extra=summary),
             key=report.artifact_key(agent.name, "training-report"),
             description=f"Training report of {run_name}",
+        )
+        create_markdown_artifact(
+            comparison.markdown(),
+            key=report.artifact_key(agent.name, "heldout-comparison"),
+            description="Base vs final on the held-out tasks, per tier, with the paired gain",
         )
         create_table_artifact(
             [{"iteration": i, **e.model_dump()} for i, e in evals],
@@ -392,6 +456,7 @@ def train(
     seed: int = _D.seed,
     trainer: TrainerConfig = _D.trainer,
     credit: CreditConfig = _D.credit,
+    curriculum: CurriculumConfig = _D.curriculum,
     registry_config: registry.RegistryConfig = _D.registry,
 ) -> dict[str, Any]:
     """Train an agent's policy with LightningRL; every parameter is a field of TrainConfig

@@ -43,6 +43,12 @@ class EvalResult(BaseModel):
     ci_high: float = Field(description="Upper end of the Wilson 95 % interval of accuracy.")
     mean_reward: float = Field(description="Mean final reward (failed rollouts count 0).")
     failed: int = Field(0, description="Rollouts whose agent failed on every attempt.")
+    rewards: dict[str, float] = Field(
+        default_factory=dict,
+        exclude=True,
+        description="Each task's final reward (task id -> reward; failed rollouts 0): what a "
+        "paired comparison of two policies on the same tasks needs. Left out of dumps.",
+    )
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         return {
@@ -77,6 +83,7 @@ def score(policy_version: str, rollouts: Sequence[Rollout], threshold: float = 1
         ci_high=high,
         mean_reward=sum(rewards) / n if n else 0.0,
         failed=sum(1 for r in rollouts if r.status is not RolloutStatus.succeeded),
+        rewards={str(r.task_id): value for r, value in zip(rollouts, rewards, strict=True)},
     )
 
 

@@ -76,6 +76,17 @@ PROFILES: dict[str, AgentProfile] = {
         agent="agents.sql:agent",
         tasks="agents.sql:load_tasks",
         registered_model="lightning-sql",
+        # A query that runs and returns rows earns its writer (the call before the tool span) a
+        # small bonus: before a model writes right queries it must write ones that run, and a
+        # group whose queries all miss still learns that. Small beside the 1 of a right answer.
+        air=[
+            AIRRule(
+                name=semconv.TOOL_SPAN,
+                outcome="success",
+                attributes={"returned_rows": True},
+                reward=0.1,
+            )
+        ],
         # Selective optimisation, as in the paper: the checker's calls are not trained.
         train_agents=["writer", "rewriter"],
         # Up to 5 calls of up to 128 tokens each, queued with many other rollouts on a CPU.

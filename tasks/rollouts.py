@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,14 +38,6 @@ def make_runner(
     return Runner(load_agent(agent), store, server_url, config, on_attempt=on_attempt)
 
 
-def sample_tasks(
-    train: Sequence[dict[str, Any]], count: int, seed: int, iteration: int
-) -> list[dict[str, Any]]:
-    """The iteration's tasks: a fixed function of (seed, iteration), without repeats."""
-    rng = random.Random(f"{seed}-{iteration}")
-    return rng.sample(list(train), min(count, len(train)))
-
-
 def rollout_seed(seed: int, iteration: int, index: int) -> int:
     """The sampling seed of rollout `index` of an iteration's plan: a fixed function of the
     run's seed, the iteration and the rollout's place in the plan."""
@@ -71,11 +62,14 @@ def plan_rollouts(
     max_attempts: int,
     seed: int | None = None,
     iteration: int = 0,
+    first_index: int = 0,
 ) -> list[str]:
     """Queue G rollouts per task on the current policy; the ids of the queued rollouts.
 
     With the run's `seed`, each rollout samples with a seed of its own (`rollout_seed`), so
     that a repeated run samples the same rollouts, and the G of a group still differ.
+    `first_index` is the place of this plan's first rollout in the iteration (a later round of
+    dynamic sampling continues where the earlier ones stopped).
     """
     requests = [
         RolloutRequest(
@@ -87,7 +81,7 @@ def plan_rollouts(
             metadata={
                 "sampling": sampling
                 if seed is None
-                else {**sampling, "seed": rollout_seed(seed, iteration, k)}
+                else {**sampling, "seed": rollout_seed(seed, iteration, first_index + k)}
             },
         )
         for k, t in enumerate(t for t in tasks for _ in range(group_size))

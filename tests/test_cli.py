@@ -54,6 +54,16 @@ def test_train_and_eval_refuse_bad_input_in_one_line(args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_train_takes_the_agent_from_a_config_file_unless_a_flag_names_one(tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text('{"agent": "nope-from-file"}')
+    result = cli("train", "--config", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "unknown agent 'nope-from-file'" in result.stderr
+    flagged = cli("train", "--config", str(config), "--agent", "nope-flag")
+    assert "unknown agent 'nope-flag'" in flagged.stderr
+
+
 def test_status_counts_rollouts_of_a_running_server(tmp_path):
     port = free_port()
     server = start_server(tmp_path / "s.duckdb", port)

@@ -140,7 +140,7 @@ def test_splits_are_fixed_disjoint_and_cover_every_question():
     assert {t["db"] for t in test[:10]} == set(DATABASES)  # a prefix mixes databases
     only = load_tasks("train", 10_000, "university")
     assert only and {t["db"] for t in only} == {"university"}
-    assert set(train[0]) == {"id", "question", "db", "gold_sql", "ordered"}
+    assert set(train[0]) == {"id", "question", "db", "gold_sql", "ordered", "tier"}
 
 
 def test_task_loader_rejects_bad_arguments():
@@ -365,16 +365,17 @@ async def test_graph_stops_when_the_checker_approves():
     assert final["sql"] == "SELECT COUNT(*) FROM genre;" and final["result"] == "COUNT(*)\n25"
 
 
-async def test_graph_never_accepts_a_failing_query_and_rewrites_it():
+async def test_a_failing_query_skips_the_checkers_call_and_is_rewritten():
     log: list[str] = []
     agents = _roles(
         log,
         writer=["SELECT COUNT(*) FROM genres"],
-        checker=["CORRECT", "CORRECT"],  # the first verdict is overruled: the query failed
+        checker=["CORRECT"],  # asked only about the rewrite: the first query failed
         rewriter=["Fixed: SELECT COUNT(*) FROM genre"],
     )
     final = await _run(agents)
-    assert log == ["writer", "checker", "rewriter", "checker"]
+    # No checker call on the failed query: the tool's error is the rewriter's feedback.
+    assert log == ["writer", "rewriter", "checker"]
     assert final["sql"] == "SELECT COUNT(*) FROM genre" and final["correct"]
     assert final["rounds"] == 1
 
@@ -407,6 +408,15 @@ def test_each_role_gets_its_own_client_with_its_name_and_the_sampling():
     assert model.max_tokens == 99 and model.model_kwargs == {"top_k": 5}
     asked = LLMEndpoint(base_url="http://127.0.0.1:1/v1", model="m", sampling={"max_tokens": 7})
     assert chat_model(asked, "writer", max_tokens=99).max_tokens == 7
+
+
+async def test_query_writing_roles_stop_at_the_first_statement():
+    from agents.sql.agent import roles
+
+    endpoint = LLMEndpoint(base_url="http://127.0.0.1:1/v1", model="m")
+    async with roles(endpoint, SQLAgentConfig()) as agents:
+        assert agents.writer.stop == [";"] and agents.rewriter.stop == [";"]
+        assert agents.checker.stop is None
 
 
 # --- the agent through the gateway ------------------------------------------------------------
@@ -451,14 +461,16 @@ async def test_sql_agent_runs_its_roles_through_the_gateway(tiny_server):
         mine = [s for s in spans if s.rollout_id == rollout.rollout_id]
         transitions = spans_to_transitions(mine, rollout, AdapterConfig())
         names = [t.agent_name for t in transitions]
-        # writer, checker, then up to K=2 (rewriter, checker) rounds; the last rewrite is the
-        # answer and is not checked. Where it stops depends on what the checker said.
-        assert names in (
-            ["writer", "checker"],
-            ["writer", "checker", "rewriter", "checker"],
-            ["writer", "checker", "rewriter", "checker", "rewriter"],
-        )
-        assert sum(1 for s in mine if s.name == semconv.TOOL_SPAN) == names.count("checker")
+        # writer, then up to K=2 rewrites; every query but the last rewrite is run (a check),
+        # and the checker's LLM is asked only about the queries that ran. Where it stops
+        # depends on what the checker said.
+        writes = [n for n in names if n != "checker"]
+        rewrites = len(writes) - 1
+        assert writes == ["writer"] + ["rewriter"] * rewrites and rewrites <= 2
+        tools = [s for s in mine if s.name == semconv.TOOL_SPAN]
+        assert len(tools) == 1 + min(rewrites, 1)
+        ran = [s for s in tools if s.attributes[semconv.TOOL_SUCCESS]]
+        assert names.count("checker") == len(ran)
         trained = spans_to_transitions(mine, rollout, AdapterConfig(agents=["writer", "rewriter"]))
         assert {t.agent_name for t in trained} == {"writer", "rewriter"} & set(names)
         calls = sorted(
@@ -468,3 +480,54 @@ async def test_sql_agent_runs_its_roles_through_the_gateway(tiny_server):
         last_sql = [s for s in calls if s.attributes[semconv.AGENT_NAME] != "checker"][-1]
         expected = sql_reward(_output_text(last_sql), by_id[rollout.task_id])
         assert rollout.final_reward == expected
+
+
+def test_worked_examples_answer_no_task_and_run():
+    from agents.sql.examples import EXAMPLES
+    from agents.sql.prompts import writer_messages
+
+    asked = {(q.db, q.question) for q in all_questions()}
+    golds = {(q.db, q.gold_sql.rstrip(";")) for q in all_questions()}
+    assert set(EXAMPLES) == set(DATABASES)
+    for db, shown in EXAMPLES.items():
+        for question, sql in shown:
+            assert (db, question) not in asked and (db, sql.rstrip(";")) not in golds
+            assert run_sql(db, sql).rows  # a worked example that fails would teach failing
+        messages = writer_messages(schema_text(db), "How many X?", db)
+        assert [role for role, _ in messages] == ["system", *["user", "assistant"] * 3, "user"]
+        assert schema_text(db) in messages[0][1] and messages[-1][1] == "Question: How many X?"
+
+
+def test_tiers_follow_the_gold_querys_shape_and_every_split_has_each():
+    from agents.sql.tiers import TIERS, tier_of
+
+    assert tier_of("SELECT COUNT(*) FROM artist") == "easy"
+    assert tier_of("SELECT a.x FROM a JOIN b ON a.id = b.id WHERE b.y = 1") == "medium"
+    assert tier_of("SELECT a.x FROM a JOIN b ON a.i = b.i JOIN c ON b.j = c.j") == "hard"
+    assert tier_of("SELECT country, COUNT(*) FROM customer GROUP BY country") == "hard"
+    assert tier_of("SELECT name FROM t WHERE x > (SELECT AVG(x) FROM t)") == "hard"
+    for split in ("train", "test"):
+        tasks = load_tasks(split, 10_000)
+        assert {t["tier"] for t in tasks} == set(TIERS)
+
+
+def test_the_sql_air_rule_rewards_a_query_that_returned_rows_only():
+    from lightning_core.types import Span
+    from tasks.profiles import PROFILES
+
+    [rule] = PROFILES["sql"].air
+
+    def tool_span(**attributes) -> Span:
+        return Span(
+            rollout_id="r",
+            attempt_id="a",
+            trace_id="t",
+            span_id="s",
+            name=semconv.TOOL_SPAN,
+            start_time=0.0,
+            attributes={semconv.TOOL_SUCCESS: True, **attributes},
+        )
+
+    assert rule.matches(tool_span(rows=3, returned_rows=True)) and rule.reward > 0
+    assert not rule.matches(tool_span(rows=0, returned_rows=False))
+    assert not rule.matches(tool_span(**{semconv.TOOL_SUCCESS: False}))

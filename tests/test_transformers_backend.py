@@ -549,3 +549,22 @@ async def test_a_bad_schema_fails_the_request_before_it_runs(backend, prompts):
         with pytest.raises(InvalidInput, match="schema"):
             backend.stream(request)
     assert backend.stats()["waiting"] == 0
+
+
+async def test_prompts_of_several_roles_at_once_each_reuse_their_own_prefix(
+    backend, reference, prompts
+):
+    """A multi-agent system sends prompts of two roles together (interleaved: a writer's, a
+    checker's, ...). Admission groups them by shared prefix, so each role's prompts reuse its
+    own prefix instead of the batch sharing none; outputs are as without any cache."""
+    writer = prompts[1][:-1] * 3
+    checker = prompts[2] * 3
+    tails = [prompts[0][:2], prompts[0][:3], prompts[1][-2:], prompts[2][:2]]
+    family = [head + tail for tail in tails for head in (writer, checker)]
+    before = backend.stats()["prefix_tokens_reused"]
+    outputs = await asyncio.gather(*(backend.generate(greedy(p, 6)) for p in family))
+    reused = backend.stats()["prefix_tokens_reused"] - before
+    # All but at most the first prompt of each role (arriving alone) reuse their role's head.
+    assert reused >= (len(tails) - 1) * (len(writer) + len(checker))
+    for prompt, [choice] in zip(family, outputs, strict=True):
+        assert choice.token_ids == hf_greedy(reference, prompt, 6)

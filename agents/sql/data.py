@@ -1,9 +1,10 @@
 """Text-to-SQL tasks for the SQL agent, with a fixed, disjoint train/test split.
 
-A task is a plain dict `{"id", "question", "db", "gold_sql", "ordered"}`. Its id is a hash of
-its database and question, and the split follows that hash (about 70% train, 30% test), so a
-question's split never changes when questions are added or removed. Within a split, tasks come
-in hash order: any prefix mixes databases and question shapes.
+A task is a plain dict `{"id", "question", "db", "gold_sql", "ordered", "tier"}`; `tier` is
+easy, medium or hard (tiers.py), what a curriculum samples by and evaluation breaks down by.
+Its id is a hash of its database and question, and the split follows that hash (about 70%
+train, 30% test), so a question's split never changes when questions are added or removed.
+Within a split, tasks come in hash order: any prefix mixes databases and question shapes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 from agents.sql.databases import DATABASES
 from agents.sql.questions import Question, all_questions
+from agents.sql.tiers import tier_of
 
 Split = Literal["train", "test"]
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -35,6 +37,7 @@ def task(q: Question) -> dict[str, Any]:
         "db": q.db,
         "gold_sql": q.gold_sql,
         "ordered": q.ordered,
+        "tier": tier_of(q.gold_sql),
     }
 
 

@@ -1,13 +1,17 @@
 """What each role of the SQL agent is told, and how the checker's verdict is read.
 
-The policy is small (SmolLM2-135M): prompts stay short, show the schema as `table(col, ...)`
-lines and end where the answer should begin. The three roles share one model and differ only
-in these messages.
+The policy is small (SmolLM2-135M): prompts stay short and end where the answer should begin.
+The tables go in the system message, the same for every question on a database, so every call
+on it shares one prompt prefix (the backend prefills it once). The writer also sees worked
+examples (examples.py) as earlier turns: without them the base model answers in prose. The
+three roles share one model and differ only in these messages.
 """
 
 from __future__ import annotations
 
 import re
+
+from agents.sql.examples import examples
 
 WRITER_SYSTEM = "You write SQLite queries. Reply with one SQL query and nothing else."
 CHECKER_SYSTEM = (
@@ -21,20 +25,25 @@ _VERDICT = re.compile(r"\b(NOT\s+CORRECT|INCORRECT|WRONG|CORRECT)\b", re.IGNOREC
 MAX_FEEDBACK_CHARS = 300
 
 
-def writer_messages(schema: str, question: str) -> list[tuple[str, str]]:
-    return [
-        ("system", WRITER_SYSTEM),
-        ("user", f"Tables:\n{schema}\n\nQuestion: {question}\nSQL:"),
-    ]
+def _system(role: str, schema: str) -> tuple[str, str]:
+    return ("system", f"{role}\n\nTables:\n{schema}")
+
+
+def writer_messages(schema: str, question: str, db: str | None = None) -> list[tuple[str, str]]:
+    """The writer's messages; `db` picks the worked examples shown before the question."""
+    shots: list[tuple[str, str]] = []
+    for shown_question, query in examples(db) if db else ():
+        shots += [("user", f"Question: {shown_question}"), ("assistant", query)]
+    return [_system(WRITER_SYSTEM, schema), *shots, ("user", f"Question: {question}")]
 
 
 def checker_messages(schema: str, question: str, sql: str, result: str) -> list[tuple[str, str]]:
     return [
-        ("system", CHECKER_SYSTEM),
+        _system(CHECKER_SYSTEM, schema),
         (
             "user",
-            f"Tables:\n{schema}\n\nQuestion: {question}\nQuery: {sql or '(none)'}\n"
-            f"Result:\n{result}\n\nIs the query correct?",
+            f"Question: {question}\nQuery: {sql or '(none)'}\nResult:\n{result}\n\n"
+            "Is the query correct?",
         ),
     ]
 
@@ -43,11 +52,11 @@ def rewriter_messages(
     schema: str, question: str, sql: str, result: str, feedback: str
 ) -> list[tuple[str, str]]:
     return [
-        ("system", REWRITER_SYSTEM),
+        _system(REWRITER_SYSTEM, schema),
         (
             "user",
-            f"Tables:\n{schema}\n\nQuestion: {question}\nQuery: {sql or '(none)'}\n"
-            f"Result:\n{result}\nFeedback: {feedback}\n\nCorrected SQL:",
+            f"Question: {question}\nQuery: {sql or '(none)'}\nResult:\n{result}\n"
+            f"Feedback: {feedback}\n\nCorrected SQL:",
         ),
     ]
 

@@ -105,7 +105,9 @@ class Batch:
             shared = min(shared, common_length(prompts[0], prompt))
         minimum = self.config.min_prefix_tokens
         hit = self.prefixes.lookup(adapter, prompts[0], shared)
-        if hit is not None and hit[1] >= minimum:
+        # A cached prefix shorter than what the rows share leaves every row to prefill the
+        # difference; computing the whole shared prefix once costs less when that is more.
+        if hit is not None and hit[1] >= minimum and (shared - hit[1]) * len(jobs) <= shared:
             return hit
         if shared < minimum:
             return None

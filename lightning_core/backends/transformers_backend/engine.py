@@ -28,11 +28,15 @@ from lightning_core.backends.text import IncrementalText
 from lightning_core.backends.transformers_backend.adapters import Adapters
 from lightning_core.backends.transformers_backend.batch import Batch
 from lightning_core.backends.transformers_backend.config import TransformersBackendConfig
+from lightning_core.backends.transformers_backend.kv_cache import common_length
 from lightning_core.backends.transformers_backend.packed_linear import can_pack, pack_linears
 from lightning_core.backends.transformers_backend.requests import Job, Sequence
 from lightning_core.backends.transformers_backend.sampling import sample
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.models import resolve_model
+
+# Waiting requests one admission looks past for ones sharing the first one's prefix.
+_MAX_PASSED = 256
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
@@ -278,21 +282,41 @@ class Engine:
             self._sample(batch.rows, batch.decode())
 
     def _admit(self) -> list[Job]:
-        """Waiting requests that fit the free rows and the prefill budget, first come first."""
+        """Waiting requests that fit the free rows and the prefill budget, first come first.
+
+        With the prefix cache on, one step admits only requests that share a long prefix with
+        the first waiting one (same adapter, at least half its prompt): a prefill reuses a
+        prefix only when every prompt in it shares that prefix, and a multi-agent system sends
+        prompts of several roles at once (a writer's and a checker's share only the chat
+        template's first tokens). The others keep their places for the next steps.
+        """
         rows = sum(not s.leaving for s in self.batch.rows)
         admitted: list[Job] = []
+        passed: list[Job] = []
         width = 0
-        while self._waiting:
+        grouping = self.config.prefix_cache_entries > 0
+        while self._waiting and len(passed) < _MAX_PASSED:
             job = self._waiting[0]
             n, length = job.request.n, len(job.request.prompt_token_ids)
             if rows + n > self.config.max_batch_size:
                 break
+            if grouping and admitted and not self._shares_prefix(admitted[0], job):
+                passed.append(self._waiting.popleft())
+                continue
             budget = max(width, length) * (len(admitted) + 1)
             if admitted and budget > self.config.max_prefill_tokens:
                 break
             admitted.append(self._waiting.popleft())
             rows, width = rows + n, max(width, length)
+        self._waiting.extendleft(reversed(passed))
         return admitted
+
+    def _shares_prefix(self, first: Job, job: Job) -> bool:
+        if job.adapter_id != first.adapter_id:
+            return False
+        head = first.request.prompt_token_ids
+        needed = max(self.config.min_prefix_tokens, len(head) // 2)
+        return common_length(head, job.request.prompt_token_ids) >= needed
 
     def _first_tokens(self, jobs: list[Job], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
         """Each completion's sequence, its first token sampled; those that go on decoding."""

@@ -1,0 +1,99 @@
+"""Ablation on the SQL agent: which calls to train, and with one policy or one per agent.
+
+Three arms with the same budget (the same TrainConfig, `flows/demos/sql.json` unless told
+otherwise, and the same seed), each a full `lightning-rl train` run evaluated on the whole
+held-out split:
+
+- shared-all:        one shared policy trained on every role's calls (writer, checker, rewriter);
+- shared-writer-rw:  one shared policy trained on writer and rewriter calls (the paper's choice);
+- per-agent:         one policy per trained agent (writer, rewriter), the checker on the base.
+
+    python benchmarks/ablation_sql.py [--config flows/demos/sql.json] [--arms a,b,c]
+        [--reuse ARM=RUN_DIR ...]
+
+`--reuse shared-writer-rw=runs/sql-demo-1` takes an arm's figures from a finished run with
+that exact config (the demo is that arm) instead of training it again. Prints a markdown table
+of base and final accuracy, the gain with its paired 95 % interval, and minutes per arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS: dict[str, list[str]] = {
+    "shared-all": [
+        "--train-agent",
+        "writer",
+        "--train-agent",
+        "checker",
+        "--train-agent",
+        "rewriter",
+        "--shared-policy",
+    ],
+    "shared-writer-rw": ["--train-agent", "writer", "--train-agent", "rewriter", "--shared-policy"],
+    "per-agent": ["--train-agent", "writer", "--train-agent", "rewriter", "--policy-per-agent"],
+}
+
+
+def run_arm(arm: str, config: Path, run_dir: Path) -> dict:
+    name = f"ablation-{arm}"
+    command = [
+        str(ROOT / ".venv" / "bin" / "lightning-rl"),
+        "train",
+        "--agent",
+        "sql",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--run-name",
+        name,
+        "--quiet",
+        *ARMS[arm],
+    ]
+    print(f"[{arm}] {' '.join(command)}", file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, cwd=ROOT)
+    return json.loads((run_dir / name / "summary.json").read_text())
+
+
+def row(arm: str, summary: dict) -> str:
+    base, final = summary["base"], summary["final"]
+    low, high = summary.get("gain_ci_points", [float("nan")] * 2)
+    return (
+        f"| {arm} | {base['accuracy']:.1%} | {final['accuracy']:.1%} | "
+        f"{summary['gain_points']:+.1f} [{low:+.1f}, {high:+.1f}] | "
+        f"{final['mean_reward'] - base['mean_reward']:+.3f} | {summary['minutes']} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "flows" / "demos" / "sql.json")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs")
+    parser.add_argument("--reuse", action="append", default=[], metavar="ARM=RUN_DIR")
+    args = parser.parse_args()
+    reused = dict(item.split("=", 1) for item in args.reuse)
+    unknown = [a for a in [*args.arms.split(","), *reused] if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
+    rows = []
+    for arm in args.arms.split(","):
+        if arm in reused:
+            summary = json.loads((Path(reused[arm]) / "summary.json").read_text())
+        else:
+            summary = run_arm(arm, args.config, args.run_dir)
+        rows.append(row(arm, summary))
+    print(f"SQL ablation, config {args.config.name}, held-out execution accuracy (greedy)")
+    print("| arm | base | final | gain, points [paired 95 % CI] | mean reward gain | minutes |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
