@@ -203,6 +203,15 @@ def test_single_statement_check_reads_literals_and_comments():
     ("text", "sql"),
     [
         ("SELECT name FROM genre;", "SELECT name FROM genre;"),
+        ("SELECT 1; SELECT 2;\nDROP TABLE genre", "SELECT 1;"),
+        (
+            "SELECT name FROM genre WHERE name = 'a;b'; SELECT 2",
+            "SELECT name FROM genre WHERE name = 'a;b';",
+        ),
+        (
+            "SELECT 1 -- a comment; not the end\n+ 1; SELECT 2",
+            "SELECT 1 -- a comment; not the end\n+ 1;",
+        ),
         ("```sql\nSELECT name\nFROM genre\n```\nThis lists genres.", "SELECT name\nFROM genre"),
         ("Here is the query: select count(*) from track", "select count(*) from track"),
         ("SELECT 1\n\nThe query above returns one.", "SELECT 1"),
@@ -278,7 +287,8 @@ _GENRES = {"db": "chinook", "gold_sql": "SELECT name FROM genre ORDER BY name", 
         ("INSERT INTO genre (name) VALUES ('Rock')", _TRACKS_BY_ROCK, 0.0),
         ("DROP TABLE track", _TRACKS_BY_ROCK, 0.0),
         ("UPDATE genre SET name = 'Rock'", _TRACKS_BY_ROCK, 0.0),
-        (f"{_TRACKS_BY_ROCK['gold_sql']}; DROP TABLE track", _TRACKS_BY_ROCK, 0.0),
+        # The answer is the first statement; what follows is dropped and never run.
+        (f"{_TRACKS_BY_ROCK['gold_sql']}; DROP TABLE track", _TRACKS_BY_ROCK, 1.0),
         ("", _TRACKS_BY_ROCK, 0.0),
         (None, _TRACKS_BY_ROCK, 0.0),
         ("I think there are many rock tracks in the store.", _TRACKS_BY_ROCK, 0.0),
@@ -410,15 +420,6 @@ def test_each_role_gets_its_own_client_with_its_name_and_the_sampling():
     assert chat_model(asked, "writer", max_tokens=99).max_tokens == 7
 
 
-async def test_query_writing_roles_stop_at_the_first_statement():
-    from agents.sql.agent import roles
-
-    endpoint = LLMEndpoint(base_url="http://127.0.0.1:1/v1", model="m")
-    async with roles(endpoint, SQLAgentConfig()) as agents:
-        assert agents.writer.stop == [";"] and agents.rewriter.stop == [";"]
-        assert agents.checker.stop is None
-
-
 # --- the agent through the gateway ------------------------------------------------------------
 
 
@@ -494,7 +495,8 @@ def test_worked_examples_answer_no_task_and_run():
             assert (db, question) not in asked and (db, sql.rstrip(";")) not in golds
             assert run_sql(db, sql).rows  # a worked example that fails would teach failing
         messages = writer_messages(schema_text(db), "How many X?", db)
-        assert [role for role, _ in messages] == ["system", *["user", "assistant"] * 3, "user"]
+        pairs = ["user", "assistant"] * len(shown)
+        assert [role for role, _ in messages] == ["system", *pairs, "user"]
         assert schema_text(db) in messages[0][1] and messages[-1][1] == "Question: How many X?"
 
 

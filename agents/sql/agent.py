@@ -92,15 +92,12 @@ def chat_model(
     max_tokens: int,
     http_client: httpx.Client | None = None,
     http_async_client: httpx.AsyncClient | None = None,
-    stop: list[str] | None = None,
 ) -> ChatOpenAI:
     """A LangChain chat model for one role on an endpoint with `base_url`, `model`,
     `api_key` and `sampling`; the endpoint's sampling wins over the role's defaults."""
     sampling = {k: v for k, v in (getattr(llm, "sampling", None) or {}).items() if v is not None}
     fields = {k: sampling.pop(k) for k in _FIELDS if k in sampling}
     fields.setdefault("max_tokens", max_tokens)
-    if stop:
-        fields.setdefault("stop", stop)
     return ChatOpenAI(
         base_url=llm.base_url,
         model=llm.model,
@@ -123,16 +120,13 @@ async def roles(llm: Any, config: SQLAgentConfig) -> AsyncIterator[Roles]:
     sync_client, async_client = httpx.Client(), httpx.AsyncClient()
     try:
 
-        def make(role: str, max_tokens: int, stop: list[str] | None = None) -> ChatOpenAI:
-            return chat_model(llm, role, max_tokens, sync_client, async_client, stop)
+        def make(role: str, max_tokens: int) -> ChatOpenAI:
+            return chat_model(llm, role, max_tokens, sync_client, async_client)
 
-        # A query ends at its first ';': a small model goes on with more statements (measured:
-        # a fifth of the failed queries in training), which the tool refuses, and each costs
-        # decoding time. Stopping there keeps the first statement and saves the rest.
         yield Roles(
-            writer=make(WRITER, config.sql_max_tokens, [";"]),
+            writer=make(WRITER, config.sql_max_tokens),
             checker=make(CHECKER, config.check_max_tokens),
-            rewriter=make(REWRITER, config.sql_max_tokens, [";"]),
+            rewriter=make(REWRITER, config.sql_max_tokens),
         )
     finally:
         sync_client.close()

@@ -2,9 +2,12 @@
 
 A 135M model given only the schema answers in prose ("The number of employees is 1."), or
 writes SQL over tables it imagines (`artists`, `album_title`): measured greedy on the 91 test
-questions, 15 replies held SQL and none ran. Three exchanges per database, each a question and
-the bare query that answers it, show the reply's form, the exact table and column names and
-the join pattern; with them 88 of 91 replies are SQL and 36 run and return rows.
+questions, 15 replies held SQL and none ran. Four exchanges per database, each a question and
+the bare query that answers it, show the reply's form, the exact table and column names, a
+filter on a value named in the question (the model's own habit is `WHERE customer_id = 1`)
+and the join pattern. Chosen on the train split (91 questions, greedy writer replies): three
+examples without a value filter gave 84 replies with SQL, 22 that ran and returned rows and 4
+right; these four give 91, 35 and 7.
 
 The examples ask what no task asks (tests/test_sql_agent.py checks), so copying one never
 answers a task.
@@ -16,8 +19,12 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     "chinook": (
         ("How many albums are there?", "SELECT COUNT(*) FROM album;"),
         (
-            "List the names of the tracks composed by Ludwig van Beethoven.",
-            "SELECT name FROM track WHERE composer = 'Ludwig van Beethoven';",
+            "How many employees live in Calgary?",
+            "SELECT COUNT(*) FROM employee WHERE city = 'Calgary';",
+        ),
+        (
+            "What is the email address of the employee Nancy Edwards?",
+            "SELECT email FROM employee WHERE first_name = 'Nancy' AND last_name = 'Edwards';",
         ),
         (
             "How many tracks belong to the Opera genre?",
@@ -27,6 +34,10 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "university": (
         ("How many departments are there?", "SELECT COUNT(*) FROM department;"),
+        (
+            "How many students live in Boston?",
+            "SELECT COUNT(*) FROM student WHERE city = 'Boston';",
+        ),
         (
             "List the titles of the courses worth 2 credits.",
             "SELECT title FROM course WHERE credits = 2;",
