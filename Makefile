@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql test test-fast lint bench-store bench-gateway bench-structured bench-train clean
+.PHONY: setup setup-dev demo demo-sql demo-store bench-ablation-sql test test-fast lint bench-store bench-gateway bench-structured bench-train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,10 +45,6 @@ demo: setup
 # sampling: base vs final execution accuracy on the whole 91-question test split, per tier.
 demo-sql: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/lightning-rl train --agent sql --config flows/demos/sql.json
-
-# The RAG agent (OpenAI Agents SDK + BM25) on countries never seen in training, by hop count.
-demo-rag: setup
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/lightning-rl train --agent rag --config flows/demos/rag.json
 
 # The store's durability demo (SIGKILL mid-write, restart, nothing acknowledged is lost).
 demo-store: setup

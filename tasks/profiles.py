@@ -99,6 +99,30 @@ PROFILES: dict[str, AgentProfile] = {
         agent="agents.rag:agent",
         tasks="agents.rag:load_tasks",
         registered_model="lightning-rag",
+        # The model's own searches (agents/rag/agent.py): one that brings a document it has
+        # not read earns a little, one that finds nothing or only what it has read (the base
+        # model repeats a search until it runs out of turns) costs a little. MAX_TURNS = 4
+        # searches earn less than an answer's 0.1 for its format: never answering cannot pay.
+        air=[
+            AIRRule(
+                name=semconv.TOOL_SPAN,
+                outcome="success",
+                attributes={semconv.TOOL_NAME: "search", "new_document": True},
+                reward=0.02,
+            ),
+            AIRRule(
+                name=semconv.TOOL_SPAN,
+                outcome="success",
+                attributes={semconv.TOOL_NAME: "search", "new_document": False},
+                reward=-0.05,
+            ),
+            AIRRule(
+                name=semconv.TOOL_SPAN,
+                outcome="failure",
+                attributes={semconv.TOOL_NAME: "search"},
+                reward=-0.05,
+            ),
+        ],
         rollout_timeout_s=600.0,
         tool_format="line",
         # The reward is 0.1 * format + 0.9 * F1: at least 0.9 means the answer is right.

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from countryinfo import CountryInfo
-from fastapi import FastAPI, Request
 
 from agents.rag import load_tasks
 from agents.rag.agent import MAX_TURNS, model_settings, solve
@@ -30,6 +29,7 @@ from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from tests.conftest import ThreadedServer, gateway_server
+from tests.rag_scripted import ANSWER, scripted_endpoint
 
 # --- corpus and search ------------------------------------------------------------------------
 
@@ -38,18 +38,20 @@ def test_corpus_has_one_document_per_country_with_its_facts():
     docs = documents()
     assert 230 <= len(docs) <= 256
     assert len({d.title for d in docs}) == len(docs) == len(countries())
-    assert all("Its capital is" in d.text for d in docs)
+    assert all(d.text.startswith(f"{d.title}. ") and "Capital: " in d.text for d in docs)
     france = next(d.text for d in docs if d.title == "France")
     for fact in (
-        "Western Europe, a subregion of Europe",
-        "Its capital is Paris",
-        "Population: 66,078,000",
-        "Area: 640,679 km2",
-        "Languages: French",
-        "Currency: EUR",
-        "It borders Andorra, Belgium, Germany, Italy, Luxembourg, Monaco, Spain and Switzerland",
+        "Region: Europe. Subregion: Western Europe.",
+        "Capital: Paris.",
+        "Population: 66,078,000.",
+        "Area: 640,679 km2.",
+        "Languages: French.",
+        "Currency: EUR.",
+        "Borders: Andorra, Belgium, Germany, Italy, Luxembourg, Monaco, Spain and Switzerland.",
     ):
         assert fact in france
+    # "none" only where the data says so; where it says nothing, no field.
+    assert "Borders: none." in next(d.text for d in docs if d.title == "Japan")
     # Duplicate entries of the data (Burma beside Myanmar) and former states are left out.
     assert "Myanmar" in by_name() and "Burma" not in by_name()
     assert "Serbia and Montenegro" not in by_name()
@@ -174,7 +176,7 @@ def test_splits_are_fixed_disjoint_and_mixed():
     # No task is about a country of the agent's worked examples (Poland, Portugal).
     assert not {subject(t) for t in train + test} & {"POL", "PRT"}
     assert {t["hops"] for t in test[:40]} == {1, 2, 3}
-    assert set(train[0]) == {"id", "question", "answer", "hops", "kind"}
+    assert set(train[0]) == {"id", "question", "answer", "hops", "kind", "tier"}
     assert {t["hops"] for t in load_tasks("test", 500, "multi_hop")} == {2, 3}
     assert {t["hops"] for t in load_tasks("test", 500, "single_hop")} == {1}
 
@@ -239,70 +241,31 @@ def test_model_settings_come_from_the_endpoints_sampling():
     llm = LLMEndpoint(base_url="http://x/v1", model="m", sampling={"temperature": 0, "seed": 3})
     settings = model_settings(llm)
     assert (settings.temperature, settings.max_tokens) == (0, 32)
-    assert settings.extra_body == {"seed": 3, "stop": ["\n"]}  # one line per reply
+    # One line and one sentence per reply.
+    assert settings.extra_body == {"seed": 3, "stop": ["\n", ". "]}
 
 
-def _scripted_endpoint(requests: list[dict[str, Any]]) -> FastAPI:
-    """Responses that search for France, then answer; "forever" questions never answer."""
-    app = FastAPI()
-
-    @app.post("/v1/responses")
-    async def respond(request: Request) -> dict[str, Any]:
-        body = await request.json()
-        body["agent_header"] = request.headers.get("x-lightning-agent")
-        requests.append(body)
-        last = body["input"][-1]
-        question = [m for m in body["input"] if m.get("role") == "user"][-1]["content"]
-        forever = "forever" in question
-        if last.get("type") == "function_call_output" and not forever:
-            text = {"type": "output_text", "text": "ANSWER: Paris", "annotations": []}
-            item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed"}
-            output = {**item, "content": [text]}
-        else:
-            output = {
-                "id": f"fc_{len(requests)}",
-                "type": "function_call",
-                "call_id": f"call_{len(requests)}",
-                "name": "search",
-                "arguments": json.dumps({"query": "France"}),
-                "status": "completed",
-            }
-        return {
-            "id": f"resp_{len(requests)}",
-            "object": "response",
-            "created_at": 0,
-            "status": "completed",
-            "model": body["model"],
-            "output": [output],
-            "parallel_tool_calls": True,
-            "tool_choice": "auto",
-            "tools": body["tools"],
-            "usage": {
-                "input_tokens": 1,
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                "output_tokens": 1,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": 2,
-            },
-        }
-
-    return app
-
-
-async def test_agent_searches_then_answers_and_stops_after_max_turns():
+async def test_agent_searches_the_question_then_the_model_searches_and_answers():
     requests: list[dict[str, Any]] = []
-    with ThreadedServer(_scripted_endpoint(requests)) as server:
+    question = "What is the capital of France?"
+    with ThreadedServer(scripted_endpoint(requests, {question: ["Germany"]})) as server:
         llm = LLMEndpoint(base_url=f"{server.url}/v1", model="policy", sampling={"temperature": 0})
-        assert await solve("What is the capital of France?", llm) == "ANSWER: Paris"
+        assert await solve(question, llm) == ANSWER
         first, second = requests
         assert first["agent_header"] == "rag" and first["temperature"] == 0
-        assert first["max_output_tokens"] == 32 and first["stop"] == ["\n"]
+        assert first["max_output_tokens"] == 32 and first["stop"] == ["\n", ". "]
         assert "store" not in first and "previous_response_id" not in first
         assert [t["name"] for t in first["tools"]] == ["search"]
         assert first["instructions"].startswith("You answer questions about countries.")
-        # The search result went back to the model as the tool call's output.
+        # Before the model's first turn: the question, the agent's search for it and its result.
+        asked, call, found = first["input"][-3:]
+        assert asked == {"role": "user", "content": question}
+        assert json.loads(call["arguments"]) == {"query": question}
+        assert found["type"] == "function_call_output" and found["call_id"] == call["call_id"]
+        assert found["output"].startswith("France.") and "Capital: Paris." in found["output"]
+        # The model's own search went back to it as the tool call's output.
         assert second["input"][-1]["type"] == "function_call_output"
-        assert "Its capital is Paris" in second["input"][-1]["output"]
+        assert second["input"][-1]["output"].startswith("Germany.")
         requests.clear()
         assert await solve("Search forever?", llm) == ""  # out of turns: no answer
         assert len(requests) == MAX_TURNS
@@ -359,9 +322,12 @@ def _final_text(call_span: Any) -> str | None:
 
 
 async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkeypatch):
-    """Greedy SmolLM2 on a one-hop and a multi-hop question: searches in the line format come
-    back to the SDK as tool calls, the tool runs, the reply is scored; every LLM call is a
-    transition of agent 'rag' with exact token ids, and nothing reaches past this machine."""
+    """Greedy SmolLM2 on a one-hop and a multi-hop question: the worked examples and the
+    agent's first search reach the model in the line format, its searches (if any) come back to
+    the SDK as tool calls, the reply is scored; every LLM call is a transition of agent 'rag'
+    with exact token ids, and nothing reaches past this machine. The one-hop question is
+    answered right (the base model's sentences scored 0 before the first search, field
+    documents and the nearest example last)."""
     from agents.rag import agent
 
     guard = _OnlyLoopback()
@@ -386,7 +352,6 @@ async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkey
         assert [r.status for r in done] == [RolloutStatus.succeeded] * 2
         spans = await store.query_spans(ids, "latest")
     assert guard.outside == []
-    searched = 0
     for rollout, task in zip(done, tasks, strict=True):
         mine = [s for s in spans if s.rollout_id == rollout.rollout_id]
         tools = [s for s in mine if s.name == semconv.TOOL_SPAN]
@@ -396,13 +361,12 @@ async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkey
         )
         assert 1 <= len(calls) <= MAX_TURNS
         assert len(tools) == len(calls) - (_final_text(calls[-1]) is not None)
-        searched += len(tools)
         transitions = spans_to_transitions(mine, rollout, AdapterConfig())
         assert [t.agent_name for t in transitions] == ["rag"] * len(calls)
         final = _final_text(calls[-1])
         expected = 0.0 if final is None else answer_reward(final, task["answer"])
         assert rollout.final_reward == pytest.approx(expected)
-    assert searched, "the agent never searched"
+    assert done[0].final_reward == pytest.approx(1.0)  # "ANSWER: Tokyo"
 
 
 async def test_rag_agent_runs_on_the_tiny_model():

@@ -1,31 +1,32 @@
 """The rag agent: an OpenAI Agents SDK agent that answers questions about countries by searching.
 
 It is plain Agents SDK code pointed at an OpenAI-compatible endpoint; the only lightning-rl API
-it uses is tracing (`emit_tool_result`), which does nothing outside a training rollout. The model
-decides each turn whether to search again or to answer, `ANSWER: <answer>`, within `MAX_TURNS`
-model calls; running out of turns counts as no answer, and so does a reply cut at MAX_TOKENS
-(the SDK refuses an incomplete response).
+it uses is tracing (`emit_tool_result`, in tool.py), which does nothing outside a training
+rollout. The agent searches for the question itself first and shows the model that search and
+its result (see `solve`); the model then answers, `ANSWER: <answer>`, or searches again
+(a multi-hop question's next country), within `MAX_TURNS` model calls. Running out of turns
+counts as no answer, and so does a reply cut at MAX_TOKENS (the SDK refuses an incomplete
+response).
 
 Three settings make the SDK fit a self-hosted gateway and an offline machine:
 - the SDK's default model class (the Responses API, which the gateway serves) on a client of
   the rollout's own endpoint, and sampling keys the Responses API lacks (stop, seed) in the
   request's body, where the gateway reads them;
 - tracing off for the run: the SDK would otherwise send its traces to OpenAI's servers;
-- two worked examples as ordinary input items before the question, so whichever way the
-  gateway renders tool calls, the examples show them that way.
+- worked examples (examples.py) and the first search as ordinary input items before the
+  model's turn, so whichever way the gateway renders tool calls, they show them that way.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from openai import AsyncOpenAI
 
-from agents.rag import retrieval
+from agents.rag.examples import examples_for, search_items
 from agents.rag.reward import answer_reward
 from agents.rag.sdk import load_sdk
-from lightning_core.tracing import emit_tool_result
+from agents.rag.tool import search_tool
 
 sdk = load_sdk()
 
@@ -34,79 +35,17 @@ INSTRUCTIONS = (
     "You answer questions about countries. Look facts up with the search tool, as many times "
     "as you need, then reply with ANSWER: followed by the short answer only."
 )
-# Model calls per question: up to three searches, then the answer.
+# Model calls per question: up to three searches of its own, then the answer.
 MAX_TURNS = 4
-# A reply is one line, a search or the answer: it stops at the line's end, and a cap keeps a
-# rambling line cheap.
+# A reply is one line and one sentence: a search or the answer. A reply that runs into
+# MAX_TOKENS is no answer (the SDK refuses it), and the base model wrote sentences, 25 of its
+# first 40 final replies cut there ("ANSWER: Bhutan is a Himalayan state located in Southern
+# Asia. Its capital is..."): stopped at its first sentence, a wordy answer keeps its format.
 MAX_TOKENS = 32
-STOP = ["\n"]
-NO_MATCH = "no document matches this query"
+STOP = ["\n", ". "]
 
 # The sampling keys ModelSettings takes by name; others go to the request as extra arguments.
 _SETTINGS = ("temperature", "top_p", "max_tokens")
-
-
-def results_text(query: str) -> str | None:
-    """The search results for `query` as the tool returns them, one document a line."""
-    found = retrieval.search(query)
-    return "\n".join(found) if found else None
-
-
-async def search(query: str) -> str:
-    """Search facts about countries."""
-    # Async on purpose: the SDK awaits it in the rollout's context, where tracing finds it.
-    text = results_text(query)
-    if text is None:
-        emit_tool_result("search", success=False, error=NO_MATCH, query=query)
-        return NO_MATCH
-    emit_tool_result("search", success=True, output=text, query=query)
-    return text
-
-
-SEARCH_TOOL = sdk.function_tool(search, name_override="search")
-
-
-def _worked_example(question: str, queries: tuple[str, ...], answer: str) -> list[dict[str, Any]]:
-    """A question, a search per query with its real result, and the answer, as input items."""
-    items: list[dict[str, Any]] = [{"role": "user", "content": question}]
-    for query in queries:
-        call_id = f"example-{len(items)}"
-        items += [
-            {
-                "type": "function_call",
-                "call_id": call_id,
-                "name": "search",
-                "arguments": json.dumps({"query": query}),
-            },
-            {
-                "type": "function_call_output",
-                "call_id": call_id,
-                "output": results_text(query) or NO_MATCH,
-            },
-        ]
-    items.append({"role": "assistant", "content": f"ANSWER: {answer}"})
-    return items
-
-
-def _examples() -> list[dict[str, Any]]:
-    """One search then the answer; two searches (the second for the bridge) then the answer.
-
-    With only the second, greedy SmolLM2-135M answered in the format 5 times in 16; with both,
-    16 times in 16, and it searched every time.
-    """
-    # No task asks about these countries (data.EXAMPLE_COUNTRIES): copying an example must not pay.
-    return [
-        *_worked_example(
-            "Which language is spoken in the country whose capital is Warsaw?",
-            ("Warsaw",),
-            "Polish",
-        ),
-        *_worked_example(
-            "Portugal borders exactly one country. What is the capital of that country?",
-            ("Portugal", "Spain"),
-            "Madrid",
-        ),
-    ]
 
 
 def model_settings(llm: Any) -> Any:
@@ -120,7 +59,7 @@ def model_settings(llm: Any) -> Any:
     return sdk.ModelSettings(**named, extra_body=sampling or None)
 
 
-def build_agent(llm: Any, client: AsyncOpenAI) -> Any:
+def build_agent(llm: Any, client: AsyncOpenAI, tool: Any) -> Any:
     """The SDK agent: the search tool, on the endpoint's model through the Responses API."""
     # The model class itself, not a name for the SDK's provider to resolve: names of served
     # models may hold a "/", which the provider reads as a prefix naming another provider.
@@ -128,24 +67,33 @@ def build_agent(llm: Any, client: AsyncOpenAI) -> Any:
     return sdk.Agent(
         name=AGENT_NAME,
         instructions=INSTRUCTIONS,
-        tools=[SEARCH_TOOL],
+        tools=[tool],
         model=model,
         model_settings=model_settings(llm),
     )
 
 
 async def solve(question: str, llm: Any) -> str:
-    """The agent's final reply to a question; "" when it runs out of turns."""
+    """The agent's final reply to a question; "" when it runs out of turns.
+
+    The agent makes the first search, for the question itself: BM25 ranks the document that
+    answers it first for 204 of the 205 test questions that one document answers (of 306).
+    The base model's own searches reached that document for 13 of 27 such questions among the
+    first 40 (it searched "England" for London, "Africa" for Kenya). The model then answers, or
+    searches the next country of a multi-hop question itself.
+    """
     client = AsyncOpenAI(
         base_url=llm.base_url,
         api_key=llm.api_key,
         default_headers={"X-Lightning-Agent": AGENT_NAME},
     )
     run_config = sdk.RunConfig(tracing_disabled=True, workflow_name=AGENT_NAME)
+    first = search_items(question, "first-search")
     try:
         result = await sdk.Runner.run(
-            build_agent(llm, client),
-            [*_examples(), {"role": "user", "content": question}],
+            # The first search's document counts as read: searching it again is a wasted turn.
+            build_agent(llm, client, search_tool({first[-1]["output"]})),
+            [*examples_for(question), {"role": "user", "content": question}, *first],
             max_turns=MAX_TURNS,
             run_config=run_config,
         )

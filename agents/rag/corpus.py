@@ -112,28 +112,32 @@ def _area(area: float) -> str:
 
 
 def document(country: Country) -> Document:
-    """A few sentences stating the country's facts, the most asked about first."""
+    """The country's facts as labelled fields ("Capital: Paris."), the most asked about first.
+
+    Fields, not sentences: the small policy model copies what it reads, and copied sentences
+    ("Kenya lies in Sub-Saharan Africa, a subregion of Africa") made its answers sentences too.
+    A question's word ("capital", "subregion", "currency") names the field of its answer.
+    """
     c = country
-    if c.subregion and c.region and c.subregion != c.region:
-        where = f"{c.name} lies in {c.subregion}, a subregion of {c.region}."
-    elif c.region or c.subregion:
-        where = f"{c.name} lies in {c.region or c.subregion}."
-    else:
-        where = f"{c.name} is a country."
-    sentences = [where, f"Its capital is {c.capital}."]
+    fields = [f"{c.name}."]
+    if c.region:
+        fields.append(f"Region: {c.region}.")
+    if c.subregion and c.subregion != c.region:
+        fields.append(f"Subregion: {c.subregion}.")
+    fields.append(f"Capital: {c.capital}.")
     if c.population:
-        sentences.append(f"Population: {c.population:,}.")
+        fields.append(f"Population: {c.population:,}.")
     if c.area:
-        sentences.append(f"Area: {_area(c.area)} km2.")
+        fields.append(f"Area: {_area(c.area)} km2.")
     if c.languages:
-        sentences.append(f"Languages: {_listing(c.languages)}.")
+        fields.append(f"Languages: {_listing(c.languages)}.")
     if c.currencies:
-        sentences.append(f"Currency: {_listing(c.currencies)}.")
+        fields.append(f"Currency: {_listing(c.currencies)}.")
     if c.borders:
-        sentences.append(f"It borders {_listing(c.borders)}.")
+        fields.append(f"Borders: {_listing(c.borders)}.")
     elif c.has_borders_data:
-        sentences.append("It has no land borders.")
-    return Document(title=c.name, text=" ".join(sentences))
+        fields.append("Borders: none.")
+    return Document(title=c.name, text=" ".join(fields))
 
 
 @functools.cache

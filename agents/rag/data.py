@@ -15,7 +15,9 @@ answer (the capital of Singapore) is skipped.
 Splits go by the country a question is about: a fifth of the countries, drawn with a fixed seed,
 are test countries, so the test split asks about countries train never asks about, and no test
 question's text appears in train. The countries of the agent's worked examples are in neither.
-A task is a dict `{"id", "question", "answer", "hops", "kind"}`.
+A task is a dict `{"id", "question", "answer", "hops", "kind", "tier"}`; the tier names the hop
+count ("1-hop", "2-hop", "3-hop"), the generic key by which training draws tasks and reports
+results per difficulty.
 """
 
 from __future__ import annotations
@@ -152,6 +154,11 @@ def questions(split: Split) -> tuple[Question, ...]:
     return tuple(chosen)
 
 
+def tier(hops: int) -> str:
+    """The difficulty tier of a question of `hops` hops."""
+    return f"{hops}-hop"
+
+
 def _task(q: Question) -> dict[str, Any]:
     return {
         "id": f"{q.kind}-{q.subject.code}",
@@ -159,6 +166,7 @@ def _task(q: Question) -> dict[str, Any]:
         "answer": q.answer,
         "hops": q.hops,
         "kind": q.kind,
+        "tier": tier(q.hops),
     }
 
 

@@ -17,7 +17,7 @@ from rank_bm25 import BM25Okapi
 from agents.rag.corpus import documents
 
 DEFAULT_K = 3
-# Long enough for all but the longest neighbour lists (median document: about 210 characters).
+# Long enough for all but the longest neighbour lists (median document: about 190 characters).
 MAX_DOC_CHARS = 320
 
 _WORD = re.compile(r"[a-z0-9]+")
