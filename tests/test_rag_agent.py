@@ -18,6 +18,7 @@ from agents.rag import load_tasks
 from agents.rag.agent import MAX_TURNS, model_settings, solve
 from agents.rag.corpus import by_name, countries, documents
 from agents.rag.data import countries_in_test
+from agents.rag.examples import examples_for
 from agents.rag.languages import LANGUAGE_NAMES
 from agents.rag.retrieval import MAX_DOC_CHARS, ranked, search
 from agents.rag.reward import answer_reward, extract_answer, f1_score
@@ -257,7 +258,9 @@ async def test_agent_searches_the_question_then_the_model_searches_and_answers()
         assert "store" not in first and "previous_response_id" not in first
         assert [t["name"] for t in first["tools"]] == ["search"]
         assert first["instructions"].startswith("You answer questions about countries.")
-        # Before the model's first turn: the question, the agent's search for it and its result.
+        # Every worked example arrives whole (the SDK drops items whose call id repeats), then
+        # the question, the agent's search for it and its result.
+        assert first["input"][:-3] == examples_for(question)
         asked, call, found = first["input"][-3:]
         assert asked == {"role": "user", "content": question}
         assert json.loads(call["arguments"]) == {"query": question}

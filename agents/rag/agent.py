@@ -41,6 +41,7 @@ MAX_TURNS = 4
 # MAX_TOKENS is no answer (the SDK refuses it), and the base model wrote sentences, 25 of its
 # first 40 final replies cut there ("ANSWER: Bhutan is a Himalayan state located in Southern
 # Asia. Its capital is..."): stopped at its first sentence, a wordy answer keeps its format.
+# The price: "St. George's", the one test answer holding ". ", cannot be written.
 MAX_TOKENS = 32
 STOP = ["\n", ". "]
 

@@ -2,7 +2,9 @@
 
 As input items (a question, searches with their real results, the answer), whichever way the
 gateway renders tool calls, the examples show them that way. One example per kind of question,
-each about a country no task asks about (data.EXAMPLE_COUNTRIES): copying one must not pay.
+each about a country no task asks about (data.EXAMPLE_COUNTRIES): copying one must not pay. The
+three kinds about a country's largest neighbour have none: Portugal has one neighbour, and
+Poland's neighbours are answers of many tasks.
 """
 
 from __future__ import annotations
@@ -45,11 +47,17 @@ def search_items(query: str, call_id: str) -> list[dict[str, Any]]:
     ]
 
 
-def worked_example(question: str, queries: tuple[str, ...], answer: str) -> list[dict[str, Any]]:
-    """A question, the agent's search for it, the model's own searches, then the answer."""
+def worked_example(example: Example, tag: str) -> list[dict[str, Any]]:
+    """A question, the agent's search for it, the model's own searches, then the answer.
+
+    Call ids start with `tag`, which must differ between the examples of one input: the SDK
+    keeps one item per call id (`deduplicate_input_items`), and with shared ids it merged the
+    examples' searches into one another and dropped most of their results.
+    """
+    question, queries, answer = example
     items: list[dict[str, Any]] = [{"role": "user", "content": question}]
-    for query in (question, *queries):
-        items += search_items(query, f"example-{len(items)}")
+    for n, query in enumerate((question, *queries)):
+        items += search_items(query, f"{tag}-search-{n}")
     items.append({"role": "assistant", "content": f"ANSWER: {answer}"})
     return items
 
@@ -60,18 +68,18 @@ def _similarity(a: str, b: str) -> float:
     return len(words_a & words_b) / max(1, len(words_a | words_b))
 
 
-def nearest(question: str) -> Example:
-    """The example whose question is most like `question` (the first of equals)."""
-    return max(EXAMPLES, key=lambda e: _similarity(e[0], question))
+def nearest(question: str, n: int = 2) -> list[Example]:
+    """The `n` examples whose questions are most like `question`, the most alike last."""
+    return sorted(EXAMPLES, key=lambda e: _similarity(e[0], question))[-n:]
 
 
 def examples_for(question: str) -> list[dict[str, Any]]:
-    """Every worked example, then the one most like `question` once more.
+    """The two worked examples most like `question`, as input items.
 
-    SmolLM2-135M answers like the example it read last, whatever it is asked. Greedy, on the
-    first 40 questions of the test split: with the capital example last, 5 of 5 capital and
-    0 of 8 currency questions right; with the subregion example last, 0 of 5 and 0 of 8; with
-    the nearest example last, 5 of 5 and 7 of 8. The others come first, in a fixed order: a
-    prompt prefix every question shares, which the backend prefills once.
+    Two, not all seven: greedy on the first 40 questions of the test split, the two nearest
+    solved 22 and all seven (the nearest once more last) 21, with a prompt of about 550 tokens
+    instead of 1,350, which every rollout reads and every LoRA update trains through.
+    Questions of one kind share their examples, so the backend still shares their prefix.
     """
-    return [item for e in (*EXAMPLES, nearest(question)) for item in worked_example(*e)]
+    chosen = nearest(question)
+    return [item for n, e in enumerate(chosen) for item in worked_example(e, f"example-{n}")]
