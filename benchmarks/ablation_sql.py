@@ -9,7 +9,11 @@ held-out split:
 - per-agent:         one policy per trained agent (writer, rewriter), the checker on the base.
 
     python benchmarks/ablation_sql.py [--config flows/demos/sql.json] [--arms a,b,c]
-        [--reuse ARM=RUN_DIR ...]
+        [--reuse ARM=RUN_DIR ...] [--jobs N]
+
+`--jobs 3` trains the arms side by side, each with its CPU share of torch threads, its own
+Prefect home and its own MLflow database (under the run folder): the arms never share state,
+and their promotions do not compete for one `champion` alias.
 
 `--reuse shared-writer-rw=runs/sql-demo-1` takes an arm's figures from a finished run with
 that exact config (the demo is that arm) instead of training it again. Prints a markdown table
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +46,16 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def run_arm(arm: str, config: Path, run_dir: Path) -> dict:
+def run_arm(arm: str, config: Path, run_dir: Path, threads: int) -> dict:
     name = f"ablation-{arm}"
+    home = run_dir / f"{name}.state"
+    home.mkdir(parents=True, exist_ok=True)
+    env = os.environ | {
+        "OMP_NUM_THREADS": str(threads),
+        "PREFECT_HOME": str(home / "prefect"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     command = [
         str(ROOT / ".venv" / "bin" / "lightning-rl"),
         "train",
@@ -57,7 +71,10 @@ def run_arm(arm: str, config: Path, run_dir: Path) -> dict:
         *ARMS[arm],
     ]
     print(f"[{arm}] {' '.join(command)}", file=sys.stderr, flush=True)
-    subprocess.run(command, check=True, cwd=ROOT)
+    with (home / "train.log").open("w") as log:
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit(f"[{arm}] training failed (exit {done.returncode}); see {home / 'train.log'}")
     return json.loads((run_dir / name / "summary.json").read_text())
 
 
@@ -77,18 +94,26 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs")
     parser.add_argument("--reuse", action="append", default=[], metavar="ARM=RUN_DIR")
+    parser.add_argument("--jobs", type=int, default=1, help="Arms trained at the same time.")
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     reused = dict(item.split("=", 1) for item in args.reuse)
     unknown = [a for a in [*args.arms.split(","), *reused] if a not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
-    rows = []
-    for arm in args.arms.split(","):
+    arms = args.arms.split(",")
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    run_dir = args.run_dir.resolve()
+
+    def summary_of(arm: str) -> dict:
         if arm in reused:
-            summary = json.loads((Path(reused[arm]) / "summary.json").read_text())
-        else:
-            summary = run_arm(arm, args.config, args.run_dir)
-        rows.append(row(arm, summary))
+            return json.loads((Path(reused[arm]) / "summary.json").read_text())
+        return run_arm(arm, args.config.resolve(), run_dir, threads)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        summaries = list(pool.map(summary_of, arms))
+    rows = [row(arm, summary) for arm, summary in zip(arms, summaries, strict=True)]
     print(f"SQL ablation, config {args.config.name}, held-out execution accuracy (greedy)")
     print("| arm | base | final | gain, points [paired 95 % CI] | mean reward gain | minutes |")
     print("|---|---:|---:|---:|---:|---:|")

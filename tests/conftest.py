@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from lightning_core.app import create_app
+from lightning_core.cli import SERVER_KEEPALIVE_S
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 
@@ -36,8 +37,15 @@ class ThreadedServer:
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
+        # The served CLI's keep-alive, above the store client's (KEEPALIVE_S): with uvicorn's
+        # default 5 s a long test reuses a connection the server is closing (StoreUnavailable).
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

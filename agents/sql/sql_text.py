@@ -9,7 +9,9 @@ and an authorizer refuses writes too): one statement, starting with SELECT or WI
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterator
 
 _FENCE = re.compile(r"```(?:sql|sqlite)?[ \t]*\n?(.*?)(?:```|$)", re.IGNORECASE | re.DOTALL)
 # A query starts at a SELECT or WITH keyword: the first one in the text is taken.
@@ -59,11 +61,12 @@ def strip_comments(sql: str) -> str:
     return "".join(out)
 
 
-def statements(sql: str) -> list[str]:
-    """The non-empty statements of a SQL text (split at semicolons outside literals)."""
-    text = strip_comments(sql)
-    parts, start, quote = [], 0, None
-    for i, ch in enumerate(text):
+def _semicolons(sql: str) -> Iterator[int]:
+    """Positions of the `;` in `sql` that end a statement: outside literals and comments."""
+    quote = None
+    i = 0
+    while i < len(sql):
+        ch = sql[i]
         if quote:
             if ch == quote:
                 quote = None
@@ -71,10 +74,24 @@ def statements(sql: str) -> list[str]:
             quote = ch
         elif ch == "[":
             quote = "]"
+        elif sql.startswith("--", i):
+            end = sql.find("\n", i)
+            i = len(sql) if end < 0 else end
+            continue
+        elif sql.startswith("/*", i):
+            end = sql.find("*/", i + 2)
+            i = len(sql) if end < 0 else end + 2
+            continue
         elif ch == ";":
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
+            yield i
+        i += 1
+
+
+def statements(sql: str) -> list[str]:
+    """The non-empty statements of a SQL text (split at semicolons outside literals)."""
+    text = strip_comments(sql)
+    bounds = [-1, *_semicolons(text), len(text)]
+    parts = (text[start + 1 : end] for start, end in itertools.pairwise(bounds))
     return [p.strip() for p in parts if p.strip()]
 
 
@@ -116,26 +133,5 @@ def extract_sql(text: str | None) -> str:
 def _first_statement(sql: str) -> str:
     """`sql` up to and including its first `;` outside literals and comments (all of it when
     there is none)."""
-    quote = None
-    i = 0
-    while i < len(sql):
-        ch = sql[i]
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "'\"`":
-            quote = ch
-        elif ch == "[":
-            quote = "]"
-        elif sql.startswith("--", i):
-            end = sql.find("\n", i)
-            i = len(sql) if end < 0 else end
-            continue
-        elif sql.startswith("/*", i):
-            end = sql.find("*/", i + 2)
-            i = len(sql) if end < 0 else end + 2
-            continue
-        elif ch == ";":
-            return sql[: i + 1]
-        i += 1
-    return sql
+    end = next(_semicolons(sql), None)
+    return sql if end is None else sql[: end + 1]

@@ -1,0 +1,103 @@
+"""Held-out figures of a rag training run: base vs final, solved rate and mean F1, per tier.
+
+    .venv/bin/python benchmarks/rag_heldout.py [runs/latest] [--by kind]
+
+Reads the run's store (the run is over) and prints, per hop count (or per question kind with
+`--by kind`) and for all tasks: the solved rate (reward >= 0.9) with Wilson 95 % intervals,
+and the mean word-level F1 of the answers, base and final, each gain with its paired bootstrap
+95 % interval (tasks resampled with both their outcomes, 10 000 draws, fixed seed).
+
+F1 comes from the episode's reward, 0.1 x format + 0.9 x F1 (agents/rag/reward.py): a reply
+without an `ANSWER:` line scores 0 and has no answer, so its F1 is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import duckdb
+import numpy as np
+
+from agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT
+from lightning_core.comparison import paired_bootstrap
+from lightning_core.evaluation import wilson_interval
+
+SOLVED = 0.9
+
+
+def f1_of(reward: np.ndarray) -> np.ndarray:
+    """Each answer's F1, from its reward (no answer: 0)."""
+    return np.where(reward >= FORMAT_WEIGHT, (reward - FORMAT_WEIGHT) / F1_WEIGHT, 0.0)
+
+
+def load(run: Path) -> tuple[dict, list[tuple[str, str, str, float, float]]]:
+    """The run's summary, and (task id, tier, kind, base reward, final reward) per task."""
+    summary = json.loads((run / "summary.json").read_text())
+    base_name, final_name = summary["base"]["policy_version"], summary["final"]["policy_version"]
+    with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
+        rows = con.execute(
+            "SELECT task_id, policy_version, coalesce(final_reward, 0), "
+            "json_extract_string(input, '$.tier'), json_extract_string(input, '$.kind') "
+            "FROM rollouts WHERE mode = 'test' AND policy_version IN (?, ?)",
+            [base_name, final_name],
+        ).fetchall()
+    base = {t: r for t, p, r, _, _ in rows if p == base_name}
+    final = {t: r for t, p, r, _, _ in rows if p == final_name}
+    meta = {t: (tier, kind) for t, _, _, tier, kind in rows}
+    paired = [(t, *meta[t], base[t], final[t]) for t in sorted(set(base) & set(final))]
+    return summary, paired
+
+
+def row(name: str, base: np.ndarray, final: np.ndarray) -> tuple[str, float, tuple]:
+    n = len(base)
+    b, f = int((base >= SOLVED).sum()), int((final >= SOLVED).sum())
+    bl, bh = wilson_interval(b, n)
+    fl, fh = wilson_interval(f, n)
+    solved_diff = (final >= SOLVED).astype(float) - (base >= SOLVED).astype(float)
+    low, high = paired_bootstrap(solved_diff)
+    f1_base, f1_final = f1_of(base), f1_of(final)
+    f1_low, f1_high = paired_bootstrap(f1_final - f1_base)
+    gain = 100 * float(solved_diff.mean())
+    line = (
+        f"| {name} | {n} | {b / n:.1%} ({bl:.1%}–{bh:.1%}) | {f / n:.1%} ({fl:.1%}–{fh:.1%}) | "
+        f"{gain:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] | {f1_base.mean():.3f} | "
+        f"{f1_final.mean():.3f} | {f1_final.mean() - f1_base.mean():+.3f} "
+        f"[{f1_low:+.3f}, {f1_high:+.3f}] |"
+    )
+    return line, gain, (low, high)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run", type=Path, nargs="?", default=Path("runs/latest"))
+    parser.add_argument("--by", choices=("tier", "kind"), default="tier")
+    args = parser.parse_args()
+    if not (args.run / "summary.json").is_file():
+        parser.error(f"{args.run} is not a finished run folder (no summary.json)")
+    summary, paired = load(args.run)
+    if not paired:
+        parser.error(f"{args.run} holds no held-out rollouts of both policies")
+    column = 1 if args.by == "tier" else 2
+    groups = sorted({p[column] for p in paired})
+    print(f"run {summary['run']}: {len(paired)} held-out tasks, {summary['minutes']} min")
+    print(
+        f"| {args.by} | tasks | base solved | final solved | gain, points [paired 95 % CI] "
+        "| base F1 | final F1 | F1 gain [paired 95 % CI] |"
+    )
+    print("|---|---:|---|---|---:|---:|---:|---:|")
+    for group in [*groups, "all"]:
+        chosen = [p for p in paired if group == "all" or p[column] == group]
+        base = np.array([p[3] for p in chosen], dtype=float)
+        final = np.array([p[4] for p in chosen], dtype=float)
+        line, gain, interval = row(group, base, final)
+        print(line)
+    print(
+        f"rag_heldout_gain_points: {gain:.1f} (paired 95 % CI {100 * interval[0]:+.1f} to "
+        f"{100 * interval[1]:+.1f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
