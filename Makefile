@@ -75,9 +75,9 @@ bench-structured: setup
 	$(BIN)/python benchmarks/structured.py
 
 # Shared policy on all roles vs on writer and rewriter vs one policy per agent (SQL, same budget:
-# benchmarks/ablation_sql.json, the demo's config for 3 iterations), the arms side by side.
+# benchmarks/ablation_sql.json, the demo's config for 3 iterations), two arms at a time.
 bench-ablation-sql: setup
-	$(BIN)/python benchmarks/ablation_sql.py --config benchmarks/ablation_sql.json --jobs 3
+	$(BIN)/python benchmarks/ablation_sql.py --config benchmarks/ablation_sql.json --jobs 2
 
 # The rag demo's held-out figures per hop count: solved rate and mean F1, base vs final.
 bench-rag-heldout: setup

@@ -11,9 +11,11 @@ held-out split:
     python benchmarks/ablation_sql.py [--config flows/demos/sql.json] [--arms a,b,c]
         [--reuse ARM=RUN_DIR ...] [--jobs N]
 
-`--jobs 3` trains the arms side by side, each with its CPU share of torch threads, its own
+`--jobs 2` trains two arms side by side, each with its CPU share of torch threads, its own
 Prefect home and its own MLflow database (under the run folder): the arms never share state,
-and their promotions do not compete for one `champion` alias.
+and their promotions do not compete for one `champion` alias. Each SQL arm's training step
+holds several GiB: two at once peaked at 20 GiB in use on a 24 GiB machine, and three (beside
+a test run) ran out of memory, the kernel evicting the page cache until the machine stalled.
 
 `--reuse shared-writer-rw=runs/sql-demo-1` takes an arm's figures from a finished run with
 that exact config (the demo is that arm) instead of training it again. Prints a markdown table
@@ -103,13 +105,15 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown arm(s) {unknown}: use {', '.join(ARMS)}")
     arms = args.arms.split(",")
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    trained = [a for a in arms if a not in reused]
     run_dir = args.run_dir.resolve()
 
     def summary_of(arm: str) -> dict:
         if arm in reused:
             return json.loads((Path(reused[arm]) / "summary.json").read_text())
-        return run_arm(arm, args.config.resolve(), run_dir, threads)
+        # The CPU's share of the arms running beside this one: the last arm runs on all cores.
+        beside = min(args.jobs, len(trained) - trained.index(arm))
+        return run_arm(arm, args.config.resolve(), run_dir, max(1, (os.cpu_count() or 1) // beside))
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         summaries = list(pool.map(summary_of, arms))
