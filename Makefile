@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout test test-fast lint bench-store bench-gateway bench-structured bench-train clean
+.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy test test-fast lint bench-store bench-gateway bench-structured bench-train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,11 @@ bench-ablation-sql: setup
 # The rag demo's held-out figures per hop count: solved rate and mean F1, base vs final.
 bench-rag-heldout: setup
 	$(BIN)/python benchmarks/rag_heldout.py runs/latest
+
+# What the SQL agent's greedy base queries are (right, wrong rows, no rows, failed), without and
+# with its SQL grammar, on the whole test split.
+bench-sql-greedy: setup
+	$(BIN)/python benchmarks/sql_greedy.py
 
 bench-train: setup
 	$(BIN)/python benchmarks/train_step.py

@@ -49,7 +49,11 @@ def _constraint(attributes: dict) -> Constraint | None:
     if kind is None:
         return None
     schema = attributes.get(semconv.CONSTRAINT_SCHEMA)
-    return Constraint(kind=kind, json_schema=orjson.loads(schema) if schema else None)
+    return Constraint(
+        kind=kind,
+        json_schema=orjson.loads(schema) if schema else None,
+        grammar=attributes.get(semconv.CONSTRAINT_GRAMMAR),
+    )
 
 
 def _call_transitions(span: Span) -> list[Transition]:

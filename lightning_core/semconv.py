@@ -22,10 +22,12 @@ RESPONSE_COUNT = "lightning.response.count"
 POLICY_VERSION = "lightning.policy_version"
 # The client API a call came in through (chat.completions, completions, responses, messages).
 API = "lightning.api"
-# Set when the call's output was constrained to a grammar (json_object or json_schema).
+# Set when the call's output was constrained to a grammar: json_object, json_schema or grammar.
 CONSTRAINT = "lightning.constraint"
 # Its JSON schema (json_schema only), as JSON text: the trainer replays the grammar from it.
 CONSTRAINT_SCHEMA = "lightning.constraint.json_schema"
+# Its Lark grammar (kind grammar only), for the same replay.
+CONSTRAINT_GRAMMAR = "lightning.constraint.grammar"
 AGENT_NAME = "lightning.agent_name"
 # The header (or request metadata key) an agent names itself with in a multi-agent system.
 AGENT_HEADER = "X-Lightning-Agent"

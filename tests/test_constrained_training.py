@@ -40,15 +40,21 @@ def _transition(constraint: Constraint | None, ids: list[int], logprobs: list[fl
     )
 
 
-@pytest.fixture(scope="module")
-def constrained_sample():
-    """A completion the backend sampled under SCHEMA, with the logprobs it recorded."""
+# A Lark grammar (vLLM's `structured_outputs` grammar) whose walks end within a few words.
+LARK = 'start: WORD (" " WORD)? "."\nWORD: "red" | "green" | "blue" | "redder"'
+CONSTRAINTS = {
+    "json_schema": Constraint(kind="json_schema", json_schema=SCHEMA),
+    "grammar": Constraint(kind="grammar", grammar=LARK),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONSTRAINTS))
+def constrained_sample(request):
+    """Completions the backend sampled under a JSON schema, then under a Lark grammar, with
+    the logprobs it recorded."""
     backend = TransformersBackend(model="tiny")
     params = SamplingParams(
-        max_new_tokens=80,
-        temperature=1.0,
-        seed=3,
-        constraint=Constraint(kind="json_schema", json_schema=SCHEMA),
+        max_new_tokens=80, temperature=1.0, seed=3, constraint=CONSTRAINTS[request.param]
     )
     request = GenerationRequest(prompt_token_ids=[1, 2, 3, 4, 5], params=params, n=4)
     choices = asyncio.run(backend.generate(request))
@@ -81,14 +87,26 @@ def test_a_step_on_constrained_transitions_is_on_policy(constrained_sample):
     assert metrics["train/clip_frac"] == 0.0 and metrics["train/grad_norm"] > 0
 
 
-def test_the_adapter_carries_the_constraint_from_the_span():
+@pytest.mark.parametrize(
+    ("recorded", "constraint"),
+    [
+        (
+            {semconv.CONSTRAINT: "json_schema", semconv.CONSTRAINT_SCHEMA: '{"type": "object"}'},
+            Constraint(kind="json_schema", json_schema={"type": "object"}),
+        ),
+        (
+            {semconv.CONSTRAINT: "grammar", semconv.CONSTRAINT_GRAMMAR: LARK},
+            Constraint(kind="grammar", grammar=LARK),
+        ),
+    ],
+)
+def test_the_adapter_carries_the_constraint_from_the_span(recorded, constraint):
     attributes = {
         semconv.PROMPT_TOKEN_IDS: [1, 2],
         semconv.RESPONSE_COUNT: 1,
         semconv.RESPONSE.format(i=0, key="token_ids"): [7],
         semconv.RESPONSE.format(i=0, key="logprobs"): [-0.5],
-        semconv.CONSTRAINT: "json_schema",
-        semconv.CONSTRAINT_SCHEMA: '{"type": "object"}',
+        **recorded,
     }
     span = Span(
         rollout_id="r",
@@ -101,9 +119,7 @@ def test_the_adapter_carries_the_constraint_from_the_span():
         attributes=attributes,
     )
     [transition] = spans_to_transitions([span])
-    assert transition.output_constraint == Constraint(
-        kind="json_schema", json_schema={"type": "object"}
-    )
+    assert transition.output_constraint == constraint
 
 
 async def test_the_store_keeps_the_constraint_and_opens_older_databases(tmp_path):
@@ -118,7 +134,7 @@ async def test_the_store_keeps_the_constraint_and_opens_older_databases(tmp_path
     store = DuckDBStore(db=str(db))
     try:
         [rollout] = await store.enqueue_rollouts([RolloutRequest(input="t")])
-        constraint = Constraint(kind="json_object")
+        constraint = CONSTRAINTS["grammar"]
         kept = _transition(constraint, [7, 8], [-0.1, -0.2])
         plain = _transition(None, [9], [-0.3])
         kept.rollout_id = plain.rollout_id = rollout.rollout_id

@@ -22,6 +22,7 @@ from agents.sql.databases import (
     database_path,
     schema_text,
 )
+from agents.sql.grammar import sql_grammar
 from agents.sql.prompts import read_verdict
 from agents.sql.questions import all_questions
 from agents.sql.reward import rows_match, sql_reward
@@ -478,6 +479,17 @@ async def test_sql_agent_runs_its_roles_through_the_gateway(tiny_server):
             (s for s in mine if semconv.PROMPT_TOKEN_IDS in s.attributes),
             key=lambda s: s.end_time or s.start_time,
         )
+        # The writer and rewriter decode under the database's SQL grammar: even the random
+        # model's replies start with SELECT, and the grammar travels with the call.
+        for call in calls:
+            if call.attributes[semconv.AGENT_NAME] == "checker":
+                assert semconv.CONSTRAINT not in call.attributes
+            else:
+                assert call.attributes[semconv.CONSTRAINT] == "grammar"
+                assert call.attributes[semconv.CONSTRAINT_GRAMMAR] == sql_grammar(
+                    rollout.input["db"]
+                )
+                assert _output_text(call).upper().startswith("SELECT")
         last_sql = [s for s in calls if s.attributes[semconv.AGENT_NAME] != "checker"][-1]
         expected = sql_reward(_output_text(last_sql), by_id[rollout.task_id])
         assert rollout.final_reward == expected

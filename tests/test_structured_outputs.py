@@ -136,18 +136,75 @@ def test_unconstrained_calls_are_not_marked(server, attempt):
     assert semconv.CONSTRAINT not in span["attributes"]
 
 
+# A grammar whose every walk ends within a few tokens: a random model's output is one of these
+# words only if decoding followed the grammar.
+ANSWERS = ("yes", "no", "maybe")
+LARK = 'start: ANSWER "."\nANSWER: "yes" | "no" | "maybe"'
+
+
+def test_a_lark_grammar_from_structured_outputs_in_extra_body(server, attempt):
+    # vLLM's request field, sent the way its docs show from the openai client.
+    base_url, rollout_id = attempt
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "Will it rain?"}],
+        max_tokens=16,
+        n=6,
+        seed=3,
+        extra_body={"structured_outputs": {"grammar": LARK}},
+    )
+    texts = [c.message.content for c in reply.choices]
+    assert all(c.finish_reason == "stop" for c in reply.choices)
+    assert all(t in {f"{a}." for a in ANSWERS} for t in texts), texts
+    completion = client.completions.create(
+        model=server.model,
+        prompt="Will it rain?",
+        max_tokens=16,
+        extra_body={"structured_outputs": {"grammar": LARK}},
+    )
+    assert completion.choices[0].text in {f"{a}." for a in ANSWERS}
+    spans = llm_spans(server, rollout_id)
+    assert len(spans) == 2
+    for span in spans:
+        assert span["attributes"][semconv.CONSTRAINT] == "grammar"
+        assert span["attributes"][semconv.CONSTRAINT_GRAMMAR] == LARK
+        assert span["attributes"]["gen_ai.output.type"] == "text"
+    assert [span_text(server, spans[0], i) for i in range(6)] == texts
+
+
 @pytest.mark.parametrize(
-    ("response_format", "message"),
+    ("request_fields", "message"),
     [
-        ({"type": "xml"}, "not text, json_object or json_schema"),
-        ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs a 'schema' object"),
+        ({"response_format": {"type": "xml"}}, "not text, json_object or json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "needs a 'schema' object",
+        ),
+        ({"extra_body": {"structured_outputs": {"grammar": "start: ("}}}, "unsupported grammar"),
+        ({"extra_body": {"structured_outputs": {"regex": "[0-9]+"}}}, "regex is not supported"),
+        (
+            {"extra_body": {"structured_outputs": {"grammar": LARK, "json_object": True}}},
+            "exactly one of",
+        ),
+        ({"extra_body": {"structured_outputs": {"grammar": 3}}}, "must be a Lark grammar"),
+        ({"extra_body": {"structured_outputs": {"json": "{not json"}}}, "is not valid JSON"),
+        ({"extra_body": {"guided_grammar": LARK}}, "vLLM's old field"),
+        (
+            {
+                "response_format": {"type": "json_object"},
+                "extra_body": {"structured_outputs": {"grammar": LARK}},
+            },
+            "not both",
+        ),
     ],
 )
-def test_a_bad_response_format_is_a_clear_400(server, response_format, message):
+def test_a_bad_output_format_is_a_clear_400(server, request_fields, message):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(
             model=server.model,
             messages=[{"role": "user", "content": "Hi"}],
-            response_format=response_format,
+            max_tokens=4,
+            **request_fields,
         )

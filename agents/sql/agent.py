@@ -10,6 +10,11 @@
   is skipped and the tool's error is the feedback (a verdict there could change nothing);
 - the rewriter fixes the query from the result and the feedback.
 
+The writer and rewriter decode under the database's SQL grammar (grammar.py), sent with each
+request as vLLM's `structured_outputs` grammar: their replies name only tables and columns the
+database has and hold one query, nothing else. The gateway records the grammar with the call,
+so training renormalises over what it allowed.
+
 The roles share the policy and differ in their prompts; each has its own OpenAI client whose
 requests carry the `X-Lightning-Agent` header with the role's name, so every LLM call is a
 transition of agent "writer", "checker" or "rewriter" and training can pick which roles learn.
@@ -34,6 +39,7 @@ from pydantic import BaseModel, Field
 
 from agents.sql import tool
 from agents.sql.databases import schema_text
+from agents.sql.grammar import sql_grammar
 from agents.sql.prompts import checker_messages, read_verdict, rewriter_messages, writer_messages
 from agents.sql.reward import sql_reward
 from agents.sql.sql_text import extract_sql
@@ -61,6 +67,12 @@ class SQLAgentConfig(BaseModel):
     shown_rows: int = Field(5, ge=1, description="Result rows the checker and rewriter see.")
     timeout_ms: int = Field(
         tool.TIMEOUT_MS, ge=1, description="Time a query may run before the tool stops it."
+    )
+    constrain: bool = Field(
+        True,
+        description="Decode the writer's and rewriter's replies under the database's SQL "
+        "grammar (grammar.py: only its tables and columns, one query ending in ';'), sent as "
+        "vLLM's `structured_outputs` grammar; False: free text, the query found in it.",
     )
 
 
@@ -92,9 +104,11 @@ def chat_model(
     max_tokens: int,
     http_client: httpx.Client | None = None,
     http_async_client: httpx.AsyncClient | None = None,
+    grammar: str | None = None,
 ) -> ChatOpenAI:
     """A LangChain chat model for one role on an endpoint with `base_url`, `model`,
-    `api_key` and `sampling`; the endpoint's sampling wins over the role's defaults."""
+    `api_key` and `sampling`; the endpoint's sampling wins over the role's defaults. With a
+    `grammar`, every reply is decoded under it (vLLM's `structured_outputs` request field)."""
     sampling = {k: v for k, v in (getattr(llm, "sampling", None) or {}).items() if v is not None}
     fields = {k: sampling.pop(k) for k in _FIELDS if k in sampling}
     fields.setdefault("max_tokens", max_tokens)
@@ -106,13 +120,17 @@ def chat_model(
         http_client=http_client,
         http_async_client=http_async_client,
         model_kwargs=sampling,
+        extra_body={"structured_outputs": {"grammar": grammar}} if grammar else None,
         **fields,
     )
 
 
 @contextlib.asynccontextmanager
-async def roles(llm: Any, config: SQLAgentConfig) -> AsyncIterator[Roles]:
-    """The three role clients, sharing HTTP connections that are closed afterwards.
+async def roles(
+    llm: Any, config: SQLAgentConfig, grammar: str | None = None
+) -> AsyncIterator[Roles]:
+    """The three role clients, sharing HTTP connections that are closed afterwards; the
+    writer and rewriter decode under `grammar` when one is given.
 
     Own HTTP clients rather than LangChain's defaults: those are cached per base URL, and a
     rollout's base URL is new for every attempt.
@@ -120,13 +138,13 @@ async def roles(llm: Any, config: SQLAgentConfig) -> AsyncIterator[Roles]:
     sync_client, async_client = httpx.Client(), httpx.AsyncClient()
     try:
 
-        def make(role: str, max_tokens: int) -> ChatOpenAI:
-            return chat_model(llm, role, max_tokens, sync_client, async_client)
+        def make(role: str, max_tokens: int, grammar: str | None = None) -> ChatOpenAI:
+            return chat_model(llm, role, max_tokens, sync_client, async_client, grammar)
 
         yield Roles(
-            writer=make(WRITER, config.sql_max_tokens),
+            writer=make(WRITER, config.sql_max_tokens, grammar),
             checker=make(CHECKER, config.check_max_tokens),
-            rewriter=make(REWRITER, config.sql_max_tokens),
+            rewriter=make(REWRITER, config.sql_max_tokens, grammar),
         )
     finally:
         sync_client.close()
@@ -194,7 +212,8 @@ async def solve(task: dict[str, Any], llm: Any, config: SQLAgentConfig | None = 
     """Run the graph on a task (`question` and `db`); returns its final state."""
     config = config or SQLAgentConfig()
     schema = await asyncio.to_thread(schema_text, task["db"])
-    async with roles(llm, config) as agents:
+    grammar = await asyncio.to_thread(sql_grammar, task["db"]) if config.constrain else None
+    async with roles(llm, config, grammar) as agents:
         state: SQLState = {"question": task["question"], "db": task["db"], "schema": schema}
         # Each round is two nodes; the rest is headroom, never reached.
         limit = 4 + 2 * config.max_rounds

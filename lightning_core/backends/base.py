@@ -34,11 +34,17 @@ class Constraint(BaseModel):
     stay right.
     """
 
-    kind: Literal["json_object", "json_schema"] = Field(
-        description="json_object: any JSON object; json_schema: JSON valid for `json_schema`."
+    kind: Literal["json_object", "json_schema", "grammar"] = Field(
+        description="json_object: any JSON object; json_schema: JSON valid for `json_schema`; "
+        "grammar: text in the language of `grammar`."
     )
     json_schema: dict[str, Any] | None = Field(
         None, description="The JSON schema (kind json_schema only)."
+    )
+    grammar: str | None = Field(
+        None,
+        description="A Lark grammar in llguidance's dialect, the one vLLM's `structured_outputs` "
+        "grammar takes (kind grammar only).",
     )
 
 

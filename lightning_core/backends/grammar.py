@@ -1,19 +1,22 @@
-"""Structured outputs: which tokens a JSON grammar allows next, computed by llguidance.
+"""Structured outputs: which tokens a grammar allows next, computed by llguidance.
 
-A backend that serves `response_format` json_object or json_schema keeps one GrammarCompiler per
-tokenizer, takes a TokenMatcher per constrained completion, masks the logits of each decoding
-step with `allowed_tokens` and feeds every sampled token back through `TokenMatcher.accept`.
+A backend that serves `response_format` json_object or json_schema, or a Lark grammar (vLLM's
+`structured_outputs` grammar), keeps one GrammarCompiler per tokenizer, takes a TokenMatcher
+per constrained completion, masks the logits of each decoding step with `allowed_tokens` and
+feeds every sampled token back through `TokenMatcher.accept`.
 
 Rules, the same for every grammar:
-- EOS (the tokenizer's eos_token_id) is allowed exactly when the text so far is complete JSON
-  for the grammar; once the top-level object is closed it is the only token allowed. Sampling
-  EOS ends a valid completion, and a complete object must end.
+- EOS (the tokenizer's eos_token_id) is allowed exactly when the text so far is complete
+  for the grammar; once nothing can follow it is the only token allowed. Sampling EOS ends a
+  valid completion, and a complete one must end.
 - Whitespace between JSON tokens is bounded (`MAX_WHITESPACE` characters per gap): a model can
   otherwise loop on whitespace until it runs out of tokens.
 - Token ids the tokenizer does not have (a model's embedding rows beyond `len(tokenizer)`) and
   special tokens other than EOS are never allowed.
 - json_object is any JSON object; json_schema follows the schema as JSON Schema says, so
   properties it does not list are allowed unless it sets `additionalProperties: false`.
+- A Lark grammar is llguidance's dialect (the one vLLM's guidance backend reads): `start` is
+  the whole completion; its `%ignore` is the grammar's own whitespace rule.
 
 Why llguidance: `benchmarks/grammar_engines.py` ran llguidance 1.9.1, xgrammar 0.2.9 and
 outlines-core 0.2.14 on SmolLM2's tokenizer (49152 ids) on 2 CPU cores, with any JSON object
@@ -33,6 +36,7 @@ import functools
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -107,12 +111,11 @@ class GrammarCompiler:
 
     def matcher(self, constraint: Constraint) -> TokenMatcher:
         """A fresh matcher at the start of the constraint's grammar."""
-        schema = _schema(constraint)
-        key = json.dumps(schema, sort_keys=True)
+        key, compile_ = _source(constraint)
         with self._lock:
             template = self._templates.get(key)
             if template is None:
-                template = self._compile(schema)
+                template = self._compile(compile_(), constraint.kind)
                 self._templates[key] = template
                 if len(self._templates) > CACHE_SIZE:
                     self._templates.popitem(last=False)
@@ -122,14 +125,13 @@ class GrammarCompiler:
             # built; a new LLMatcher would parse the grammar again (~1 ms).
             return TokenMatcher(template.deep_copy(), self.eos_token_id, self.vocab_size)
 
-    def _compile(self, schema: dict[str, Any]) -> llguidance.LLMatcher:
-        whitespace = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=whitespace)
-        except ValueError as e:
-            raise InvalidInput(f"response_format: invalid JSON schema: {e}") from e
+    def _compile(self, grammar: str, kind: str) -> llguidance.LLMatcher:
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
+            if kind == "grammar":
+                raise InvalidInput(
+                    f"structured_outputs: invalid or unsupported grammar: {template.get_error()}"
+                )
             raise InvalidInput(
                 f"response_format: invalid or unsupported JSON schema: {template.get_error()}; "
                 "fix the schema or drop the keywords named there"
@@ -137,12 +139,29 @@ class GrammarCompiler:
         return template
 
 
-def _schema(constraint: Constraint) -> dict[str, Any]:
+def _source(constraint: Constraint) -> tuple[str, Callable[[], str]]:
+    """(cache key, a function that builds llguidance's grammar) for a constraint."""
+    if constraint.kind == "grammar":
+        lark = constraint.grammar
+        if not isinstance(lark, str) or not lark.strip():
+            raise InvalidInput("a grammar constraint needs its grammar (Lark text)")
+        # grammar_from_lark only wraps the text; LLMatcher parses it and reports errors.
+        return "lark:" + lark, lambda: llguidance.LLMatcher.grammar_from_lark(lark)
     if constraint.kind == "json_object":
-        return _ANY_OBJECT
-    if not isinstance(constraint.json_schema, dict):
+        schema: dict[str, Any] = _ANY_OBJECT
+    elif isinstance(constraint.json_schema, dict):
+        schema = constraint.json_schema
+    else:
         raise InvalidInput("response_format json_schema needs its `schema` (a JSON object)")
-    return constraint.json_schema
+
+    def build() -> str:
+        whitespace = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=whitespace)
+        except ValueError as e:
+            raise InvalidInput(f"response_format: invalid JSON schema: {e}") from e
+
+    return "json:" + json.dumps(schema, sort_keys=True), build
 
 
 @functools.cache

@@ -224,7 +224,9 @@ class OpenAIAPI:
         gateway = self.gateway
         gateway.check_rollout(ctx)
         adapter = await gateway.adapter_for(req.model, ctx.agent_name)
-        params = req.sampling(gateway.max_tokens(req.max_tokens), req.logprobs or 0)
+        params = req.sampling(
+            gateway.max_tokens(req.max_tokens), req.logprobs or 0, req.structured_constraint()
+        )
         requests = [
             GenerationRequest(
                 prompt_token_ids=self._prompt_ids(p), params=params, n=req.n, adapter=adapter

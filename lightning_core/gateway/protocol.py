@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lightning_core.backends.base import Constraint, SamplingParams
@@ -24,6 +25,14 @@ _UNSUPPORTED = {
     "echo": (None, False),
     "suffix": (None, ""),
 }
+# vLLM's older structured-output fields, replaced there by `structured_outputs`.
+_GUIDED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+)
 
 
 def check_tool_choice(tool_choice: Any) -> None:
@@ -48,14 +57,54 @@ class OpenAIRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's structured-output field (sent as `extra_body`): {'grammar': Lark "
+        "text}, {'json': schema} or {'json_object': true}, enforced by constrained decoding.",
+    )
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> OpenAIRequest:
+        extra = self.model_extra or {}
         for name, unused in _UNSUPPORTED.items():
-            value = (self.model_extra or {}).get(name)
-            if value not in unused:
+            if extra.get(name) not in unused:
                 raise InvalidInput(f"'{name}' is not supported by this gateway; leave it unset")
+        for name in _GUIDED:
+            if extra.get(name) is not None:
+                raise InvalidInput(
+                    f"'{name}' is vLLM's old field; send structured_outputs "
+                    "({'grammar': ...}, {'json': ...} or {'json_object': true}) instead"
+                )
         return self
+
+    def structured_constraint(self) -> Constraint | None:
+        """The grammar `structured_outputs` asks for, if any (one of its keys, not several)."""
+        spec = self.structured_outputs
+        if not spec:
+            return None
+        given = {k: v for k, v in spec.items() if v not in (None, False)}
+        if len(given) != 1:
+            raise InvalidInput(
+                "structured_outputs takes exactly one of grammar, json or json_object; "
+                f"got {sorted(given) or 'none'}"
+            )
+        ((key, value),) = given.items()
+        if key == "grammar":
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidInput("structured_outputs.grammar must be a Lark grammar (text)")
+            return Constraint(kind="grammar", grammar=value)
+        if key == "json":
+            try:
+                schema = orjson.loads(value) if isinstance(value, str) else value
+            except orjson.JSONDecodeError as e:
+                raise InvalidInput(f"structured_outputs.json is not valid JSON: {e}") from e
+            return json_constraint("json_schema", schema, "structured_outputs.json")
+        if key == "json_object":
+            return Constraint(kind="json_object")
+        raise InvalidInput(
+            f"structured_outputs.{key} is not supported by this gateway; use grammar, json or "
+            "json_object"
+        )
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -139,7 +188,11 @@ class ChatCompletionRequest(OpenAIRequest):
         spec = fmt.get("json_schema") or {}
         if not isinstance(spec, dict):
             raise InvalidInput("response_format.json_schema must be an object")
-        return json_constraint(fmt.get("type"), spec.get("schema"), "response_format")
+        answer = json_constraint(fmt.get("type"), spec.get("schema"), "response_format")
+        structured = self.structured_constraint()
+        if answer is not None and structured is not None:
+            raise InvalidInput("set response_format or structured_outputs, not both")
+        return answer or structured
 
 
 class CompletionRequest(OpenAIRequest):

@@ -81,10 +81,12 @@ def llm_call_span(call: LLMCall) -> Span:
     attributes[semconv.API] = call.api
     if p.constraint is not None:
         # Constrained decoding: the logprobs are those of the masked distribution sampled from.
-        attributes["gen_ai.output.type"] = "json"
+        attributes["gen_ai.output.type"] = "text" if p.constraint.kind == "grammar" else "json"
         attributes[semconv.CONSTRAINT] = p.constraint.kind
         if p.constraint.json_schema is not None:
             attributes[semconv.CONSTRAINT_SCHEMA] = orjson.dumps(p.constraint.json_schema).decode()
+        if p.constraint.grammar is not None:
+            attributes[semconv.CONSTRAINT_GRAMMAR] = p.constraint.grammar
     if p.seed is not None:
         attributes["gen_ai.request.seed"] = p.seed
     if p.stop:

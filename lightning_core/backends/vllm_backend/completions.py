@@ -53,6 +53,10 @@ def structured_outputs(constraint: Constraint) -> dict[str, Any]:
     """
     if constraint.kind == "json_object":
         return {"json_object": True}
+    if constraint.kind == "grammar":
+        if not constraint.grammar:
+            raise InvalidInput("a grammar constraint needs its grammar")
+        return {"grammar": constraint.grammar}
     if constraint.json_schema is None:
         raise InvalidInput("a json_schema constraint needs its json_schema")
     return {"json": constraint.json_schema}

@@ -68,6 +68,10 @@ class VLLMServer:
             # The model's generation_config.json must not change sampling behind the request's
             # back (it may carry top_k or repetition_penalty defaults).
             "--generation-config", "vllm",
+            # Grammars compiled by llguidance, as on the transformers backend and in the
+            # trainer's replay of them: vLLM's "auto" would hand a Lark grammar to xgrammar
+            # after a lossy conversion, and the masks (so the importance ratios) could differ.
+            "--structured-outputs-config", '{"backend": "guidance"}',
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if self.config.tool_call_parser:
