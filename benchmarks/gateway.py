@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ import aiohttp  # noqa: E402
 from benchmarks.peers import litellm_proxy  # noqa: E402
 from lightning_core.backends.base import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_core.models import default_model_dir, tiny_model_dir  # noqa: E402
-from lightning_core.serving import start_serve, stop_serve  # noqa: E402
+from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E402
 
 FAKE_TOKENS = 20
 LEVELS = (1, 8, 32)
@@ -101,12 +100,6 @@ app.router.add_get("/v1/models", models)
 app.router.add_get("/health", lambda r: web.Response(text="ok"))
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pinned(cpu: int):
@@ -250,7 +243,7 @@ def part_one(requests: int, routes: list[str], with_litellm: bool) -> list[dict[
     model_dir = tiny_model_dir()  # only its tokenizer and name matter: the fake answers
     model = model_dir.name
     litellm_python = litellm_proxy.ensure_venv()[0] if with_litellm else None
-    fake_port, gateway_port, litellm_port = _free_port(), _free_port(), _free_port()
+    fake_port, gateway_port, litellm_port = free_port(), free_port(), free_port()
     fake = subprocess.Popen(
         [sys.executable, "-c", FAKE_SERVER, str(fake_port), model, str(FAKE_TOKENS)],
         preexec_fn=_pinned(0),

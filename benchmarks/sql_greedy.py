@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import collections
 import json
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -35,17 +34,11 @@ from agents.sql.reward import sql_reward
 from agents.sql.sql_text import extract_sql
 from lightning_core import semconv
 from lightning_core.evaluation import wilson_interval
-from lightning_core.serving import start_serve, stop_serve
+from lightning_core.serving import free_port, start_serve, stop_serve
 from lightning_core.types import LLMEndpoint
 
 ARMS = {"free": False, "grammar": True}
 OUTCOMES = ("right", "rows, wrong", "no rows", "failed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def outcome(task: dict, sql: str) -> tuple[str, str]:
@@ -146,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not arms:
         parser.error(f"--arms takes free and/or grammar, not {unknown or 'nothing'}")
     tasks = load_tasks(args.split, 10_000)
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as scratch:
         server = start_serve(Path(scratch) / "store.duckdb", port)
         try:

@@ -12,7 +12,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,18 +21,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from lightning_core import semconv
-from lightning_core.serving import start_serve, stop_serve
+from lightning_core.serving import free_port, start_serve, stop_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, RolloutStatus, Task
 
 TASKS = 48
 RUNNERS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(db: Path, port: int) -> subprocess.Popen:
@@ -79,7 +72,7 @@ async def _summary(store: HttpStoreClient, ids: list[str]) -> tuple[int, int, fl
 
 
 async def _run(db: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = _serve(db, port)
     store = HttpStoreClient(url)

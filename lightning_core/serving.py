@@ -7,6 +7,7 @@ Started from this interpreter (so the child runs the same installation), waited 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_core.errors import StoreUnavailable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def serve_command(db: str | Path, port: int, *options: str) -> list[str]:

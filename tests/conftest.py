@@ -15,16 +15,11 @@ import uvicorn
 
 from lightning_core.app import create_app
 from lightning_core.cli import SERVER_KEEPALIVE_S
+from lightning_core.serving import free_port  # noqa: F401  (the tests import it from here)
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadedServer:
