@@ -19,8 +19,8 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+from lightning_rl.agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT
 
-from agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT
 from lightning_core.comparison import paired_bootstrap
 from lightning_core.evaluation import wilson_interval
 

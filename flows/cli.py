@@ -58,7 +58,7 @@ class _LiveView:
         self.started = time.time()
 
     def update(self) -> None:
-        from tasks import progress
+        from lightning_rl.tasks import progress
 
         events, self.offset = progress.read(self.run_dir, self.offset)
         for e in events:
@@ -182,7 +182,7 @@ def train(
     """Train an agent's LLM with LightningRL: the Prefect flow 'train', run here."""
     _quiet_prefect()
     _interrupt_on_sigterm()
-    from flows.config import TrainConfig
+    from lightning_rl.flows.config import TrainConfig
 
     fields: dict[str, Any] = {}
     if config is not None:
@@ -209,7 +209,7 @@ def train(
     fields |= {k: v for k, v in flags.items() if v is not None}
     try:
         settings = TrainConfig.model_validate(fields)
-        from tasks.profiles import profile
+        from lightning_rl.tasks.profiles import profile
 
         spec = profile(settings.agent, settings.tasks)
     except ValidationError as exc:
@@ -221,7 +221,7 @@ def train(
     folder = Path(settings.run_dir).resolve() / settings.run_name
     folder.mkdir(parents=True, exist_ok=True)
 
-    from flows.train import train as train_flow
+    from lightning_rl.flows.train import train as train_flow
 
     params = settings.model_dump()
     params["registry_config"] = params.pop("registry")
@@ -261,8 +261,8 @@ def evaluate(
     """Score a registered policy on the agent's held-out benchmark (Prefect flow 'evaluate')."""
     _quiet_prefect()
     _interrupt_on_sigterm()
-    from flows.evaluate import evaluate as evaluate_flow
-    from tasks.profiles import profile
+    from lightning_rl.flows.evaluate import evaluate as evaluate_flow
+    from lightning_rl.tasks.profiles import profile
 
     try:
         profile(agent, tasks)  # a bad name fails here, before any flow starts

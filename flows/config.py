@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from lightning_rl.tasks.registry import RegistryConfig
 from pydantic import BaseModel, Field, field_validator
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.collect import CreditConfig
 from lightning_core.curriculum import CurriculumConfig
-from tasks.registry import RegistryConfig
 
 
 def _demo_trainer() -> TrainerConfig:

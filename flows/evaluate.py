@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_rl.tasks import registry, report
+from lightning_rl.tasks.evaluation import evaluate_policy
+from lightning_rl.tasks.profiles import profile
+from lightning_rl.tasks.server import policy_server
+from lightning_rl.tasks.training import publish_policy
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from lightning_core.errors import InvalidInput, NotFound
-from tasks import registry, report
-from tasks.evaluation import evaluate_policy
-from tasks.profiles import profile
-from tasks.server import policy_server
-from tasks.training import publish_policy
 
 
 @flow(name="evaluate", log_prints=True)

@@ -29,12 +29,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_rl.flows.config import TrainConfig
+from lightning_rl.tasks import progress, registry, report
+from lightning_rl.tasks.analysis import analyze_iteration
+from lightning_rl.tasks.evaluation import evaluate_policy
+from lightning_rl.tasks.profiles import AgentProfile, profile
+from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
+from lightning_rl.tasks.server import PolicyServer, policy_server
+from lightning_rl.tasks.training import (
+    ensure_gpu_limit,
+    publish_policy,
+    train_agent_policies,
+    train_policy,
+)
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import TrainConfig
 from lightning_core import analytics, semconv
 from lightning_core.adapter import AdapterConfig
 from lightning_core.algo.config import TrainerConfig
@@ -45,13 +57,6 @@ from lightning_core.curriculum import Curriculum, CurriculumConfig, group_signal
 from lightning_core.errors import InvalidInput
 from lightning_core.evaluation import EvalResult
 from lightning_core.rewards import AIRRule
-from tasks import progress, registry, report
-from tasks.analysis import analyze_iteration
-from tasks.evaluation import evaluate_policy
-from tasks.profiles import AgentProfile, profile
-from tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
-from tasks.server import PolicyServer, policy_server
-from tasks.training import ensure_gpu_limit, publish_policy, train_agent_policies, train_policy
 
 _D = TrainConfig()
 

@@ -2,8 +2,8 @@
 
 `module.path:attr` imports `module.path` and takes its attribute `attr` (dots in `attr` walk
 nested attributes, `module:Class.method`). A bare name such as `calc` is one of the example
-agents: the package `agents.calc` and its attribute `agent`. A dotted name without a colon is a
-module whose attribute `agent` is taken.
+agents: the package `lightning_rl.agents.calc` and its attribute `agent`. A dotted name without
+a colon is a module whose attribute `agent` is taken.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning_core.errors import InvalidInput
 # The attribute an agent module exposes when the reference names only the module.
 DEFAULT_ATTRIBUTE = "agent"
 # Where bare names are looked up: the example agents shipped with the project.
-EXAMPLES_PACKAGE = "agents"
+EXAMPLES_PACKAGE = "lightning_rl.agents"
 
 
 def parse_agent_ref(ref: str) -> tuple[str, str]:

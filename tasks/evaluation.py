@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_rl.tasks import progress
+from lightning_rl.tasks.rollouts import make_runner
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from lightning_core.evaluation import EvalResult, evaluate
 from lightning_core.runner import AttemptResult
 from lightning_core.store.client import HttpStoreClient
-from tasks import progress
-from tasks.rollouts import make_runner
 
 
 @task(

@@ -64,8 +64,8 @@ class AgentProfile(BaseModel):
 PROFILES: dict[str, AgentProfile] = {
     "calc": AgentProfile(
         name="calc",
-        agent="agents.calc:agent",
-        tasks="agents.calc:load_tasks",
+        agent="lightning_rl.agents.calc:agent",
+        tasks="lightning_rl.agents.calc:load_tasks",
         task_source="arithmetic",
         # A small bonus per successful calculator call: the behaviour that makes answers right.
         air=[AIRRule(name=semconv.TOOL_SPAN, outcome="success", reward=0.1)],
@@ -73,8 +73,8 @@ PROFILES: dict[str, AgentProfile] = {
     ),
     "sql": AgentProfile(
         name="sql",
-        agent="agents.sql:agent",
-        tasks="agents.sql:load_tasks",
+        agent="lightning_rl.agents.sql:agent",
+        tasks="lightning_rl.agents.sql:load_tasks",
         registered_model="lightning-sql",
         # A query that runs and returns rows earns its writer (the call before the tool span) a
         # small bonus: before a model writes right queries it must write ones that run, and a
@@ -96,8 +96,8 @@ PROFILES: dict[str, AgentProfile] = {
     ),
     "rag": AgentProfile(
         name="rag",
-        agent="agents.rag:agent",
-        tasks="agents.rag:load_tasks",
+        agent="lightning_rl.agents.rag:agent",
+        tasks="lightning_rl.agents.rag:load_tasks",
         registered_model="lightning-rag",
         # The model's own searches (agents/rag/agent.py): one that brings a document it has
         # not read earns a little, one that finds nothing or only what it has read (the base

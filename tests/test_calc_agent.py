@@ -4,10 +4,10 @@ the gateway (SmolLM2, line tool format) under the real Runner."""
 from __future__ import annotations
 
 import pytest
+from lightning_rl.agents.calc import load_tasks
+from lightning_rl.agents.calc.calculator import CalculatorError, evaluate, format_number
+from lightning_rl.agents.calc.reward import answer_reward, extract_answer
 
-from agents.calc import load_tasks
-from agents.calc.calculator import CalculatorError, evaluate, format_number
-from agents.calc.reward import answer_reward, extract_answer
 from lightning_core import semconv
 from lightning_core.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.models import DEFAULT_MODEL
@@ -124,7 +124,7 @@ async def test_calc_agent_runs_through_the_gateway_with_its_tool(smollm2_server)
     """Greedy SmolLM2 on the worked example's twin: a calculator call in the line format comes
     back to AutoGen as a tool call, the tool runs, the answer is scored; every LLM call is a
     transition of agent 'calc' with exact token ids, and AIR credits the tool call."""
-    from agents.calc import agent
+    from lightning_rl.agents.calc import agent
 
     url = smollm2_server.url
     tasks = [

@@ -20,7 +20,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     # No LIGHTNING_* settings leak in from the environment running the tests.
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
+        [sys.executable, "-m", "lightning_rl.flows.cli", *args],
         capture_output=True,
         text=True,
         # Generous: `train` imports torch, Prefect and MLflow, slow on a busy 2-core machine.

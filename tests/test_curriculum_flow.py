@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from lightning_rl.flows.train import train
+from lightning_rl.tasks import registry
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.train import train
 from lightning_core.curriculum import CurriculumConfig
-from tasks import registry
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from flows.config import TrainConfig
-from tasks.profiles import profile
+from lightning_rl.flows.config import TrainConfig
+from lightning_rl.tasks.profiles import profile
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [

@@ -9,14 +9,14 @@ from pathlib import Path
 import duckdb
 import httpx
 import pytest
+from lightning_rl.flows.train import train
+from lightning_rl.tasks import registry
+from lightning_rl.tasks.rollouts import rollout_seed
 from mlflow import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
-from flows.train import train
 from lightning_core import analytics, serving
-from tasks import registry
-from tasks.rollouts import rollout_seed
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -176,7 +176,7 @@ def test_run_folder_has_config_summary_and_progress(trained):
 
 
 def test_evaluate_flow_scores_the_champion(trained, tmp_path):
-    from flows.evaluate import evaluate
+    from lightning_rl.flows.evaluate import evaluate
 
     _, config, _ = trained
     result = evaluate(

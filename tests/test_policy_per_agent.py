@@ -12,12 +12,14 @@ import duckdb
 import mlflow
 import pytest
 import torch
+from lightning_rl.flows.train import train
+from lightning_rl.tasks import registry
+from lightning_rl.tasks.training import train_agent_policies
 from mlflow import MlflowClient
 from peft.utils import get_peft_model_state_dict
 from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
-from flows.train import train
 from lightning_core import semconv
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import STATE_FILE, LoRATrainer
@@ -25,8 +27,6 @@ from lightning_core.errors import InvalidInput
 from lightning_core.models import TINY_MODEL
 from lightning_core.store import schema
 from lightning_core.types import Transition
-from tasks import registry
-from tasks.training import train_agent_policies
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -196,7 +196,7 @@ def test_the_mlflow_version_holds_both_adapters_and_was_promoted_as_one(trained,
 
 
 def test_the_evaluate_flow_serves_a_per_agent_champion_per_agent(trained, tmp_path):
-    from flows.evaluate import evaluate
+    from lightning_rl.flows.evaluate import evaluate
 
     _, config, _ = trained
     result = evaluate(

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
+from lightning_rl.tasks.training import publish_policy
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -22,7 +23,6 @@ from lightning_core.errors import Conflict
 from lightning_core.gateway.service import Gateway
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import PolicyVersion
-from tasks.training import publish_policy
 from tests.conftest import ThreadedServer
 from tests.models import scaled_tiny_model
 

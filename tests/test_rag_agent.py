@@ -7,22 +7,23 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 from countryinfo import CountryInfo
+from lightning_rl.agents.rag import load_tasks
+from lightning_rl.agents.rag.agent import MAX_TURNS, model_settings, solve
+from lightning_rl.agents.rag.corpus import by_name, countries, documents
+from lightning_rl.agents.rag.data import countries_in_test
+from lightning_rl.agents.rag.examples import examples_for
+from lightning_rl.agents.rag.languages import LANGUAGE_NAMES
+from lightning_rl.agents.rag.retrieval import MAX_DOC_CHARS, ranked, search
+from lightning_rl.agents.rag.reward import answer_reward, extract_answer, f1_score
 
-from agents.rag import load_tasks
-from agents.rag.agent import MAX_TURNS, model_settings, solve
-from agents.rag.corpus import by_name, countries, documents
-from agents.rag.data import countries_in_test
-from agents.rag.examples import examples_for
-from agents.rag.languages import LANGUAGE_NAMES
-from agents.rag.retrieval import MAX_DOC_CHARS, ranked, search
-from agents.rag.reward import answer_reward, extract_answer, f1_score
-from agents.rag.sdk import load_sdk
 from lightning_core import semconv
 from lightning_core.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.models import DEFAULT_MODEL
@@ -225,17 +226,21 @@ def test_answer_extraction_and_f1():
 # --- the Agents SDK loop against a scripted endpoint ------------------------------------------
 
 
-def test_the_sdk_loads_beside_this_projects_agents_package():
-    import agents
-
-    sdk = load_sdk()
-    assert hasattr(sdk, "Runner") and hasattr(sdk, "OpenAIChatCompletionsModel")
-    assert hasattr(agents, "rag")  # `agents` is still this project's package
-    if sdk.__name__ != "agents":
-        # The SDK's absolute imports (`agents.model_settings`) get the same modules, no copies.
-        import agents.model_settings as absolute
-
-        assert absolute is sys.modules[f"{sdk.__name__}.model_settings"]
+def test_import_agents_is_the_sdk_even_from_the_repository_root():
+    # The repository's agents/ folder has no __init__.py: a namespace portion, which the SDK's
+    # regular package wins over, whatever comes first on the path.
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import importlib, agents;"
+        "rag = importlib.import_module('lightning_rl.agents.rag.agent');"
+        "print(agents.__file__, hasattr(agents, 'Runner'), rag.sdk is agents)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    where, is_sdk, same = done.stdout.split()
+    assert "site-packages" in where and is_sdk == "True" and same == "True"
 
 
 def test_model_settings_come_from_the_endpoints_sampling():
@@ -331,7 +336,7 @@ async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkey
     with exact token ids, and nothing reaches past this machine. The one-hop question is
     answered right (the base model's sentences scored 0 before the first search, field
     documents and the nearest example last)."""
-    from agents.rag import agent
+    from lightning_rl.agents.rag import agent
 
     guard = _OnlyLoopback()
     guard.install(monkeypatch)
@@ -376,7 +381,7 @@ async def test_rag_agent_runs_on_the_tiny_model():
     """The tiny random model through the gateway: whatever it writes, the rollout succeeds,
     each LLM call is a transition of agent 'rag', and the reward is what the reward function
     gives the last reply (a random model never searches, so nothing else is asked of it)."""
-    from agents.rag import agent
+    from lightning_rl.agents.rag import agent
 
     task = load_tasks("test", 1, "multi_hop")[0]
     with gateway_server(model="tiny") as server:

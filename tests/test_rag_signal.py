@@ -7,12 +7,13 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from lightning_rl.agents.rag import load_tasks
+from lightning_rl.agents.rag.agent import MAX_TURNS
+from lightning_rl.agents.rag.examples import EXAMPLES, examples_for, nearest
+from lightning_rl.agents.rag.reward import FORMAT_WEIGHT, normalize_answer
+from lightning_rl.agents.rag.tool import NO_MATCH, results_text, tool_output
+from lightning_rl.tasks.profiles import PROFILES
 
-from agents.rag import load_tasks
-from agents.rag.agent import MAX_TURNS
-from agents.rag.examples import EXAMPLES, examples_for, nearest
-from agents.rag.reward import FORMAT_WEIGHT, normalize_answer
-from agents.rag.tool import NO_MATCH, results_text, tool_output
 from lightning_core import semconv
 from lightning_core.app import create_app
 from lightning_core.curriculum import Curriculum, CurriculumConfig
@@ -21,7 +22,6 @@ from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import RolloutRequest, RolloutStatus
-from tasks.profiles import PROFILES
 from tests.conftest import ThreadedServer
 from tests.rag_scripted import scripted_endpoint
 
@@ -128,7 +128,7 @@ async def test_air_rewards_new_documents_and_costs_repeats_and_misses():
         {"id": "fr", "question": "What is the capital of France?", "answer": "Paris"},
         {"id": "jp", "question": "What is the capital of Japan?", "answer": "Tokyo"},
     ]
-    from agents.rag import agent
+    from lightning_rl.agents.rag import agent
 
     requests: list[dict[str, Any]] = []
     store = DuckDBStore(db=":memory:")

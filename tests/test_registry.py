@@ -7,14 +7,8 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from mlflow import MlflowClient
-from prefect.events.clients import AssertingEventsClient
-from prefect.events.worker import EventsWorker
-from prefect.settings import PREFECT_API_URL, temporary_settings
-
-from lightning_core.errors import InvalidInput
-from tasks import registry
-from tasks.registry import (
+from lightning_rl.tasks import registry
+from lightning_rl.tasks.registry import (
     CHALLENGER,
     CHAMPION,
     PROMOTED_EVENT,
@@ -28,6 +22,12 @@ from tasks.registry import (
     register_adapter,
     tracking,
 )
+from mlflow import MlflowClient
+from prefect.events.clients import AssertingEventsClient
+from prefect.events.worker import EventsWorker
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from lightning_core.errors import InvalidInput
 
 
 @pytest.mark.parametrize(

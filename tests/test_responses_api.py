@@ -18,7 +18,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agents.rag.sdk import load_sdk
+import agents as sdk
 from lightning_core import semconv
 from lightning_core.gateway.chat import encode, render_chat
 from tests.conftest import gateway_server
@@ -281,7 +281,6 @@ def test_an_unknown_model_is_a_404_before_any_stream(server, attempt):  # noqa: 
 
 # --- the OpenAI Agents SDK's default model ----------------------------------------------------
 
-sdk = load_sdk()
 INSTRUCTIONS = "You add numbers with the add tool."
 FINAL_ANSWER = "The sum is 5."
 

@@ -221,7 +221,7 @@ def test_load_agent_finds_functions_by_reference():
     ("ref", "says"),
     [
         ("tests.no_such_module:agent", "no module named 'tests.no_such_module'"),
-        ("no_such_agent", "no module named 'agents.no_such_agent'"),
+        ("no_such_agent", "no module named 'lightning_rl.agents.no_such_agent'"),
         ("tests.runner_agents:missing", "has no attribute 'missing'"),
         ("tests.runner_agents:NOT_CALLABLE", "is a int, not a callable"),
         ("tests.runner_agents:", "malformed"),

@@ -11,23 +11,23 @@ from typing import Any
 
 import pytest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
-
-from agents.sql import chinook, load_tasks
-from agents.sql.agent import Roles, SQLAgentConfig, build_graph, chat_model
-from agents.sql.data import split_of
-from agents.sql.databases import (
+from lightning_rl.agents.sql import chinook, load_tasks
+from lightning_rl.agents.sql.agent import Roles, SQLAgentConfig, build_graph, chat_model
+from lightning_rl.agents.sql.data import split_of
+from lightning_rl.agents.sql.databases import (
     DATABASES,
     UnknownDatabase,
     connect_read_only,
     database_path,
     schema_text,
 )
-from agents.sql.grammar import sql_grammar
-from agents.sql.prompts import read_verdict
-from agents.sql.questions import all_questions
-from agents.sql.reward import rows_match, sql_reward
-from agents.sql.sql_text import NotAQuery, extract_sql, read_only_statement
-from agents.sql.tool import SQLError, format_result, run_sql
+from lightning_rl.agents.sql.grammar import sql_grammar
+from lightning_rl.agents.sql.prompts import read_verdict
+from lightning_rl.agents.sql.questions import all_questions
+from lightning_rl.agents.sql.reward import rows_match, sql_reward
+from lightning_rl.agents.sql.sql_text import NotAQuery, extract_sql, read_only_statement
+from lightning_rl.agents.sql.tool import SQLError, format_result, run_sql
+
 from lightning_core import semconv
 from lightning_core.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.runner import Runner, RunnerConfig
@@ -320,7 +320,7 @@ def test_a_missing_chinook_package_says_how_to_install_it(monkeypatch):
 
 
 def test_the_sql_profile_loads_its_agent_and_tasks():
-    from tasks.profiles import profile
+    from lightning_rl.tasks.profiles import profile
 
     sql = profile("sql")
     assert sql.train_agents == ["writer", "rewriter"] and sql.registered_model == "lightning-sql"
@@ -440,7 +440,7 @@ async def test_sql_agent_runs_its_roles_through_the_gateway(tiny_server):
     """The random model never writes good SQL, but every role's call goes through the gateway
     with its agent name, the roles follow the graph, and the reward is the reward of the last
     query written."""
-    from agents.sql import agent
+    from lightning_rl.agents.sql import agent
 
     url = tiny_server.url
     tasks = load_tasks("test", 2)
@@ -496,8 +496,8 @@ async def test_sql_agent_runs_its_roles_through_the_gateway(tiny_server):
 
 
 def test_worked_examples_answer_no_task_and_run():
-    from agents.sql.examples import EXAMPLES
-    from agents.sql.prompts import writer_messages
+    from lightning_rl.agents.sql.examples import EXAMPLES
+    from lightning_rl.agents.sql.prompts import writer_messages
 
     asked = {(q.db, q.question) for q in all_questions()}
     golds = {(q.db, q.gold_sql.rstrip(";")) for q in all_questions()}
@@ -513,7 +513,7 @@ def test_worked_examples_answer_no_task_and_run():
 
 
 def test_tiers_follow_the_gold_querys_shape_and_every_split_has_each():
-    from agents.sql.tiers import TIERS, tier_of
+    from lightning_rl.agents.sql.tiers import TIERS, tier_of
 
     assert tier_of("SELECT COUNT(*) FROM artist") == "easy"
     assert tier_of("SELECT a.x FROM a JOIN b ON a.id = b.id WHERE b.y = 1") == "medium"
@@ -526,8 +526,9 @@ def test_tiers_follow_the_gold_querys_shape_and_every_split_has_each():
 
 
 def test_the_sql_air_rule_rewards_a_query_that_returned_rows_only():
+    from lightning_rl.tasks.profiles import PROFILES
+
     from lightning_core.types import Span
-    from tasks.profiles import PROFILES
 
     [rule] = PROFILES["sql"].air
 

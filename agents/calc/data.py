@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any, Literal
 
-from agents.calc.calculator import CalculatorError, evaluate
+from lightning_rl.agents.calc.calculator import CalculatorError, evaluate
 
 Source = Literal["arithmetic", "basic_arithmetic", "gsm_symbolic"]
 Split = Literal["train", "test"]

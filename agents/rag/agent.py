@@ -21,14 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_rl.agents.rag.examples import examples_for, search_items
+from lightning_rl.agents.rag.reward import answer_reward
+from lightning_rl.agents.rag.tool import search_tool
 from openai import AsyncOpenAI
 
-from agents.rag.examples import examples_for, search_items
-from agents.rag.reward import answer_reward
-from agents.rag.sdk import load_sdk
-from agents.rag.tool import search_tool
-
-sdk = load_sdk()
+import agents as sdk
 
 AGENT_NAME = "rag"
 INSTRUCTIONS = (

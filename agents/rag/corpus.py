@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from agents.rag.languages import language_name
+from lightning_rl.agents.rag.languages import language_name
 
 # Dissolved states the data still lists; they share capitals and borders with their successors
 # (Belgrade, Willemstad) and would make questions about those ambiguous.

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agents.rag.corpus import Country, by_name, countries
-from agents.rag.reward import normalize_answer
+from lightning_rl.agents.rag.corpus import Country, by_name, countries
+from lightning_rl.agents.rag.reward import normalize_answer
 
 Split = Literal["train", "test"]
 # What each source draws: questions of these hop counts.

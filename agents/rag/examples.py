@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agents.rag import retrieval
-from agents.rag.tool import TOOL_NAME, tool_output
+from lightning_rl.agents.rag import retrieval
+from lightning_rl.agents.rag.tool import TOOL_NAME, tool_output
 
 # (question, the model's own searches after the agent's first one, answer)
 Example = tuple[str, tuple[str, ...], str]

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.rag import retrieval
-from agents.rag.sdk import load_sdk
-from lightning_core.tracing import emit_tool_result
+from lightning_rl.agents.rag import retrieval
 
-sdk = load_sdk()
+import agents as sdk
+from lightning_core.tracing import emit_tool_result
 
 TOOL_NAME = "search"
 # Documents per search. The small model copies from the last document it read: with three,

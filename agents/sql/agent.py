@@ -35,14 +35,19 @@ from typing import Any, TypedDict
 import httpx
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
+from lightning_rl.agents.sql import tool
+from lightning_rl.agents.sql.databases import schema_text
+from lightning_rl.agents.sql.grammar import sql_grammar
+from lightning_rl.agents.sql.prompts import (
+    checker_messages,
+    read_verdict,
+    rewriter_messages,
+    writer_messages,
+)
+from lightning_rl.agents.sql.reward import sql_reward
+from lightning_rl.agents.sql.sql_text import extract_sql
 from pydantic import BaseModel, Field
 
-from agents.sql import tool
-from agents.sql.databases import schema_text
-from agents.sql.grammar import sql_grammar
-from agents.sql.prompts import checker_messages, read_verdict, rewriter_messages, writer_messages
-from agents.sql.reward import sql_reward
-from agents.sql.sql_text import extract_sql
 from lightning_core.tracing import emit_tool_result
 
 WRITER, CHECKER, REWRITER = "writer", "checker", "rewriter"

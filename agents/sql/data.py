@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Literal
 
-from agents.sql.databases import DATABASES
-from agents.sql.questions import Question, all_questions
-from agents.sql.tiers import tier_of
+from lightning_rl.agents.sql.databases import DATABASES
+from lightning_rl.agents.sql.questions import Question, all_questions
+from lightning_rl.agents.sql.tiers import tier_of
 
 Split = Literal["train", "test"]
 SPLITS: tuple[str, ...] = ("train", "test")

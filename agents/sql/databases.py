@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from agents.sql import chinook, university
+from lightning_rl.agents.sql import chinook, university
 
 # Bump when a builder changes what it writes.
 VERSION = 1

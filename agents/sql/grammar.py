@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import json
 
-from agents.sql.databases import tables
+from lightning_rl.agents.sql.databases import tables
 
 ALIASES = tuple(f"t{i}" for i in range(1, 10))
 FUNCTIONS = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from agents.sql.examples import examples
+from lightning_rl.agents.sql.examples import examples
 
 WRITER_SYSTEM = "You write SQLite queries. Reply with one SQL query and nothing else."
 CHECKER_SYSTEM = (

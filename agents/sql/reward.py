@@ -18,8 +18,8 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from agents.sql.sql_text import extract_sql
-from agents.sql.tool import QueryResult, SQLError, run_sql
+from lightning_rl.agents.sql.sql_text import extract_sql
+from lightning_rl.agents.sql.tool import QueryResult, SQLError, run_sql
 
 DECIMALS = 4
 # Enough for every gold result; a bigger result cannot match one.

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agents.sql.databases import connect_read_only, database_path
-from agents.sql.sql_text import NotAQuery, read_only_statement
+from lightning_rl.agents.sql.databases import connect_read_only, database_path
+from lightning_rl.agents.sql.sql_text import NotAQuery, read_only_statement
 
 TIMEOUT_MS = 2_000
 MAX_ROWS = 200

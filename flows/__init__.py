@@ -1,1 +1,0 @@
-"""Prefect flows that compose the tasks into the training pipeline."""

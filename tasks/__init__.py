@@ -1,1 +1,0 @@
-"""Thin Prefect tasks over lightning_core: retries, timeouts, tags and artifacts live here."""
