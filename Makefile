@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy test test-fast lint bench-store bench-gateway bench-structured bench-train clean
+.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ demo-rag: setup
 # The store's durability demo (SIGKILL mid-write, restart, nothing acknowledged is lost).
 demo-store: setup
 	$(BIN)/python -m lightning_core.demo
+
+# The Prefect UI screenshots in docs/ (README's "In the Prefect UI"), retaken from a short
+# training run against a temporary Prefect server, in headless Chromium (apt-get install chromium).
+screenshots: setup-dev
+	$(BIN)/python docs/screenshots.py
 
 test: setup-dev
 	$(BIN)/python -m pytest -q -ra

@@ -84,7 +84,7 @@ def row(arm: str, summary: dict) -> str:
     base, final = summary["base"], summary["final"]
     low, high = summary.get("gain_ci_points", [float("nan")] * 2)
     return (
-        f"| {arm} | {base['accuracy']:.1%} | {final['accuracy']:.1%} | "
+        f"| {arm} | {base['score']:.1%} | {final['score']:.1%} | "
         f"{summary['gain_points']:+.1f} [{low:+.1f}, {high:+.1f}] | "
         f"{final['mean_reward'] - base['mean_reward']:+.3f} | {summary['minutes']} |"
     )

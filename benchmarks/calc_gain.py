@@ -24,7 +24,7 @@ def main(run: Path) -> None:
     base_name, final_name = summary["base"]["policy_version"], summary["final"]["policy_version"]
     with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
         rows = con.execute(
-            "SELECT task_id, policy_version, coalesce(final_reward, 0) FROM rollouts "
+            "SELECT task_id, policy_version, coalesce(episode_return, 0) FROM rollouts "
             "WHERE mode = 'test' AND policy_version IN (?, ?)",
             [base_name, final_name],
         ).fetchall()

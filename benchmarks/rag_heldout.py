@@ -19,10 +19,10 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
-from lightning_rl.agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT
 
 from lightning_core.comparison import paired_bootstrap
 from lightning_core.evaluation import wilson_interval
+from lightning_rl.agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT
 
 SOLVED = 0.9
 
@@ -38,7 +38,7 @@ def load(run: Path) -> tuple[dict, list[tuple[str, str, str, float, float]]]:
     base_name, final_name = summary["base"]["policy_version"], summary["final"]["policy_version"]
     with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
         rows = con.execute(
-            "SELECT task_id, policy_version, coalesce(final_reward, 0), "
+            "SELECT task_id, policy_version, coalesce(episode_return, 0), "
             "json_extract_string(input, '$.tier'), json_extract_string(input, '$.kind') "
             "FROM rollouts WHERE mode = 'test' AND policy_version IN (?, ?)",
             [base_name, final_name],

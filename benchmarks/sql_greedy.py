@@ -26,16 +26,16 @@ import time
 from pathlib import Path
 
 import duckdb
-from lightning_rl.agents.sql import tool
-from lightning_rl.agents.sql.agent import SQLAgentConfig, solve
-from lightning_rl.agents.sql.data import load_tasks
-from lightning_rl.agents.sql.reward import sql_reward
-from lightning_rl.agents.sql.sql_text import extract_sql
 
 from lightning_core import semconv
 from lightning_core.evaluation import wilson_interval
 from lightning_core.serving import free_port, start_serve, stop_serve
 from lightning_core.types import LLMEndpoint
+from lightning_rl.agents.sql import tool
+from lightning_rl.agents.sql.agent import SQLAgentConfig, solve
+from lightning_rl.agents.sql.data import load_tasks
+from lightning_rl.agents.sql.reward import sql_reward
+from lightning_rl.agents.sql.sql_text import extract_sql
 
 ARMS = {"free": False, "grammar": True}
 OUTCOMES = ("right", "rows, wrong", "no rows", "failed")

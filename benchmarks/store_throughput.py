@@ -159,14 +159,16 @@ def _runner_process(url: str, shape: WorkloadShape, first: int, count: int, conn
 # ---------------------------------------------------------------------------- algorithm side
 
 
-def _check(rollout_id: str, task: str, spans: list[Span], final_reward: float | None) -> None:
+def _check(rollout_id: str, task: str, spans: list[Span], episode_return: float | None) -> None:
     if not any(s.attributes.get("task") == task for s in spans):
         raise RuntimeError(f"rollout {rollout_id}: task {task!r} not found in its spans")
     rewards = [s.attributes[semconv.REWARD_VALUE] for s in spans if s.name == semconv.REWARD_SPAN]
     if not rewards or not 1.0 <= rewards[-1] <= 2.0:
         raise RuntimeError(f"rollout {rollout_id}: final reward {rewards[-1:]} not in [1, 2]")
-    if final_reward != rewards[-1]:
-        raise RuntimeError(f"rollout {rollout_id}: final_reward {final_reward} != {rewards[-1]}")
+    if episode_return != rewards[-1]:
+        raise RuntimeError(
+            f"rollout {rollout_id}: episode_return {episode_return} != {rewards[-1]}"
+        )
 
 
 async def _algorithm(url: str, shape: WorkloadShape) -> dict[str, Any]:
@@ -192,7 +194,7 @@ async def _algorithm(url: str, shape: WorkloadShape) -> dict[str, Any]:
                 if rollout.status is not RolloutStatus.succeeded:
                     raise RuntimeError(f"rollout {rollout.rollout_id} ended {rollout.status}")
                 spans = by_rollout[rollout.rollout_id]
-                _check(rollout.rollout_id, batch[rollout.rollout_id], spans, rollout.final_reward)
+                _check(rollout.rollout_id, batch[rollout.rollout_id], spans, rollout.episode_return)
                 spans_read += len(spans)
                 checked += 1
             pending.difference_update(ids)

@@ -8,6 +8,8 @@ file in the run folder and the policy is SmolLM2 on this machine, unless told ot
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import signal
@@ -15,10 +17,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from lightning_core.cli import _fail, app
 from lightning_core.errors import LightningError
@@ -34,10 +40,19 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def _agents_from_cwd() -> None:
+    # `--agent mypkg.agent:run` names a module of the user's project, found relative to the
+    # current directory as `lightning-rl runner` (and uvicorn) find theirs; the console script,
+    # unlike `python -m`, does not put it on the path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _quiet_prefect() -> None:
-    # The live view owns the terminal; Prefect's own log lines would tear it. They still go
-    # to Prefect's database (the UI) and warnings still show.
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # The live view owns the terminal; Prefect's own log lines would tear it. Only the console
+    # handler is raised to WARNING (logging.yml's handlers.console.level): the loggers stay at
+    # INFO, so the API handler still sends the flow's INFO lines to Prefect (the UI).
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
@@ -73,7 +88,7 @@ class _LiveView:
             elif stage == "training":
                 self.stage = f"training on {e['transitions']} transitions"
             elif stage == "evaluated":
-                self.evals.append((e["iteration"], e["accuracy"], e["ci_low"], e["ci_high"]))
+                self.evals.append((e["iteration"], e["score"], e["ci_low"], e["ci_high"]))
                 self.stage = "evaluated"
             elif stage == "iterated":
                 self.rows.append(e)
@@ -141,91 +156,229 @@ def _run_with_view(fn: Any, run_dir: Path, iterations: int) -> Any:
             live.update(view.render())
 
 
-@app.command()
-def train(
-    agent: Annotated[
-        str | None,
-        typer.Option(help="Agent profile (calc, sql, rag) or 'module:function'; default calc."),
-    ] = None,
-    iterations: Annotated[int | None, typer.Option(help="Training iterations.")] = None,
-    tasks_per_iteration: Annotated[int | None, typer.Option(help="Tasks per iteration.")] = None,
-    group_size: Annotated[int | None, typer.Option(help="Rollouts per task (G).")] = None,
-    eval_every: Annotated[int | None, typer.Option(help="Evaluate every E iterations.")] = None,
-    eval_size: Annotated[int | None, typer.Option(help="Held-out tasks per evaluation.")] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Base model folder or hub id (default SmolLM2-135M).")
-    ] = None,
-    tasks: Annotated[
-        str | None, typer.Option(help="Task loader 'module:function' (agents without profile).")
-    ] = None,
-    task_source: Annotated[str | None, typer.Option(help="Dataset of the agent.")] = None,
-    run_dir: Annotated[str | None, typer.Option(help="Folder of run folders (runs).")] = None,
-    run_name: Annotated[str | None, typer.Option(help="Run folder name.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
-    train_agent: Annotated[
-        list[str] | None,
-        typer.Option(help="Train this agent name's calls (repeat it); default: the profile's."),
-    ] = None,
-    policy_per_agent: Annotated[
-        bool | None,
-        typer.Option(
-            "--policy-per-agent/--shared-policy",
-            help="One LoRA adapter per trained agent, or one shared by all (the default).",
+# Option names of earlier releases, kept working beside the generated ones. " /--x" adds an
+# off switch alone (click splits a declaration at "/" into on and off names; an empty on name
+# is skipped).
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "train_agents": ("--train-agent",),
+    "policy_per_agent": (" /--shared-policy",),
+}
+_NESTED_PANEL = "Nested settings: a JSON object, merged over the default (or --config's)"
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_option(name: str, field: FieldInfo, default: Any) -> inspect.Parameter:
+    """The `lightning-rl train` option of one TrainConfig field. Every option defaults to None,
+    "not given", so that a --config file's value (or --resume's) stays unless a flag is given."""
+    # Escaped: typer reads help as rich markup, and "lightning-rl[cluster]" is meant as text.
+    help_text = escape(field.description or "")
+    annotation: Any = field.annotation
+    if _is_model(annotation):
+        keys = ", ".join(annotation.model_fields)
+        option = typer.Option(
+            _flag(name),
+            help=f"{help_text} Keys: {keys}.",
+            metavar="JSON",
+            show_default=False,
+            rich_help_panel=_NESTED_PANEL,
+        )
+        annotation = str
+    else:
+        decls = (f"{_flag(name)}/--no-{_flag(name)[2:]}",) if annotation is bool else (_flag(name),)
+        if get_origin(annotation) in (Union, UnionType):  # X | None: None is "not given" here
+            annotation = next(a for a in get_args(annotation) if a is not type(None))
+        if get_origin(annotation) is list:
+            help_text += " Repeat the option for more."
+        option = typer.Option(
+            *decls,
+            *_ALIASES.get(name, ()),
+            help=help_text,
+            show_default=False if default is None else str(default),
+        )
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[annotation | None, option],
+    )
+
+
+def _command_options() -> list[inspect.Parameter]:
+    """The options of `train` that are not settings."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return [
+        inspect.Parameter(
+            "config",
+            keyword,
+            default=None,
+            annotation=Annotated[
+                Path | None,
+                typer.Option(help="JSON file of TrainConfig fields (flows/config.py); flags win."),
+            ],
         ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="JSON file of TrainConfig fields (flows/config.py); flags win."),
-    ] = None,
-    quiet: Annotated[bool, typer.Option(help="No live view; print the summary only.")] = False,
-) -> None:
-    """Train an agent's LLM with LightningRL: the Prefect flow 'train', run here."""
+        inspect.Parameter(
+            "resume",
+            keyword,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Option(
+                    metavar="RUN",
+                    help="Continue the run folder RUN (in --run-dir) from its last finished "
+                    "iteration, with the config it started with (--iterations may extend it).",
+                ),
+            ],
+        ),
+        inspect.Parameter(
+            "quiet",
+            keyword,
+            default=False,
+            annotation=Annotated[bool, typer.Option(help="No live view; print the summary only.")],
+        ),
+    ]
+
+
+def _train_signature() -> inspect.Signature:
+    from lightning_rl.flows.config import TrainConfig
+
+    defaults = TrainConfig()
+    fields = [
+        _field_option(name, field, getattr(defaults, name))
+        for name, field in TrainConfig.model_fields.items()
+    ]
+    clash = {p.name for p in fields} & {p.name for p in _command_options()}
+    assert not clash, f"TrainConfig fields clash with train's own options: {clash}"
+    return inspect.Signature([*fields, *_command_options()], return_annotation=None)
+
+
+def _json_object(name: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LightningError(f"{_flag(name)} takes a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise LightningError(f"{_flag(name)} takes a JSON object, not {text!r}")
+    return value
+
+
+def _unknown_keys(model: type[BaseModel], value: dict[str, Any], where: str) -> list[str]:
+    """Keys of `value` that `model` (which ignores unknown keys) has no field for: typos."""
+    unknown = []
+    for key, item in value.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            unknown.append(f"{where}{key}")
+        elif isinstance(item, dict) and _is_model(field.annotation):
+            unknown += _unknown_keys(field.annotation, item, f"{where}{key}.")
+    return unknown
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, nested objects merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            value = _merged(out[key], value)
+        out[key] = value
+    return out
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LightningError(f"cannot read {what} {path}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise LightningError(f"{what} {path} is not a JSON object")
+    return value
+
+
+def train_fields(
+    options: dict[str, Any], config: Path | None, resume: str | None
+) -> dict[str, Any]:
+    """TrainConfig's fields from, in the order they win: the defaults, the resumed run's
+    config, the --config file, the flags. Nested settings merge key by key over the layer
+    below, so `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
+    from lightning_rl.flows.config import TrainConfig
+    from lightning_rl.flows.run_state import CONFIG_FILE
+
+    flags: dict[str, Any] = {}
+    for name, value in options.items():
+        if value is None or value == []:
+            continue
+        is_model = name in _nested_fields()
+        flags[name] = _json_object(name, value) if is_model else value
+    from_file = _read_json(config, "config") if config is not None else {}
+    layers = [from_file, flags]
+    if resume is not None:
+        run_dir = flags.get("run_dir") or from_file.get("run_dir") or TrainConfig().run_dir
+        if flags.get("run_name", resume) != resume:
+            raise LightningError(f"--resume {resume} and --run-name {flags['run_name']} disagree")
+        saved = Path(run_dir) / resume / CONFIG_FILE
+        if not saved.is_file():
+            raise LightningError(
+                f"cannot resume {resume}: no {saved} (a run writes it when it starts)"
+            )
+        layers = [_read_json(saved, "the config of run"), *layers]
+        layers.append({"run_name": resume, "run_dir": run_dir})
+    defaults = TrainConfig().model_dump(mode="json")
+    fields: dict[str, Any] = {}
+    for layer in layers:
+        fields = _merged(fields, layer)
+    unknown = _unknown_keys(TrainConfig, fields, "")
+    if unknown:
+        raise LightningError(f"unknown training settings: {', '.join(unknown)}")
+    # Nested settings over TrainConfig's defaults (the demo trainer), not their class's.
+    for name in _nested_fields():
+        if name in fields:
+            fields[name] = _merged(defaults[name], fields[name])
+    return fields
+
+
+def _nested_fields() -> set[str]:
+    from lightning_rl.flows.config import nested_models
+
+    return set(nested_models())
+
+
+def train(**options: Any) -> None:
+    """Train an agent's LLM with LightningRL: the Prefect flow 'train', run here.
+
+    Every setting of TrainConfig (flows/config.py) is an option; a --config file (or the run
+    --resume continues) gives the rest, and flags win over both.
+    """
     _quiet_prefect()
     _interrupt_on_sigterm()
     from lightning_rl.flows.config import TrainConfig
+    from lightning_rl.flows.run_state import default_run_name
+    from lightning_rl.tasks.profiles import profile
 
-    fields: dict[str, Any] = {}
-    if config is not None:
-        try:
-            fields = json.loads(config.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            _fail(LightningError(f"cannot read config {config}: {exc}"))
-    flags = {
-        "agent": agent,
-        "iterations": iterations,
-        "tasks_per_iteration": tasks_per_iteration,
-        "group_size": group_size,
-        "eval_every": eval_every,
-        "eval_size": eval_size,
-        "model": model,
-        "tasks": tasks,
-        "task_source": task_source,
-        "run_dir": run_dir,
-        "run_name": run_name,
-        "seed": seed,
-        "train_agents": train_agent or None,
-        "policy_per_agent": policy_per_agent,
-    }
-    fields |= {k: v for k, v in flags.items() if v is not None}
+    config, resume, quiet = options.pop("config"), options.pop("resume"), options.pop("quiet")
+    _agents_from_cwd()
     try:
-        settings = TrainConfig.model_validate(fields)
-        from lightning_rl.tasks.profiles import profile
-
+        settings = TrainConfig.model_validate(train_fields(options, config, resume))
         spec = profile(settings.agent, settings.tasks)
     except ValidationError as exc:
         _fail(LightningError(f"invalid training config: {exc}"))
     except LightningError as exc:
         _fail(exc)
     if settings.run_name is None:
-        settings.run_name = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        settings.run_name = default_run_name(spec.name)
     folder = Path(settings.run_dir).resolve() / settings.run_name
     folder.mkdir(parents=True, exist_ok=True)
 
     from lightning_rl.flows.train import train as train_flow
 
     params = settings.model_dump()
-    params["registry_config"] = params.pop("registry")
-    typer.echo(f"training {spec.name} -> {folder}", err=True)
+    verb = "resuming" if resume else "training"
+    typer.echo(f"{verb} {spec.name} -> {folder}", err=True)
     try:
         if quiet or not sys.stderr.isatty():
             summary = train_flow(**params)
@@ -238,8 +391,8 @@ def train(
         raise typer.Exit(130) from None
     base, final = summary["base"], summary["final"]
     typer.echo(
-        f"base {base['accuracy']:.1%} [{base['ci_low']:.1%}, {base['ci_high']:.1%}] -> "
-        f"final {final['accuracy']:.1%} [{final['ci_low']:.1%}, {final['ci_high']:.1%}] on "
+        f"base {base['score']:.1%} [{base['ci_low']:.1%}, {base['ci_high']:.1%}] -> "
+        f"final {final['score']:.1%} [{final['ci_low']:.1%}, {final['ci_high']:.1%}] on "
         f"{final['tasks']} held-out tasks: {summary['gain_points']:+.1f} points in "
         f"{summary['minutes']} min"
     )
@@ -247,37 +400,74 @@ def train(
     typer.echo(f"report: {summary['reward_curve']}  (run folder {summary['run_dir']})")
 
 
+@functools.cache
+def train_command() -> TyperCommand:
+    """`lightning-rl train`, its options made from TrainConfig (typer reads them from the
+    signature and the type hints, both generated here)."""
+    train.__signature__ = _train_signature()  # type: ignore[attr-defined]
+    train.__annotations__ = {p.name: p.annotation for p in train.__signature__.parameters.values()}
+    commands = typer.Typer(add_completion=False)
+    commands.command()(train)
+    return typer.main.get_command(commands)
+
+
+class _Commands(TyperGroup):
+    """lightning_core's commands, and `train` made only when asked for: TrainConfig imports
+    torch (seconds), which `status` or `serve` should not wait for."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        at = names.index("eval") if "eval" in names else len(names)
+        return [*names[:at], "train", *names[at:]]
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
+        if cmd_name == "train":
+            return train_command()
+        return super().get_command(ctx, cmd_name)
+
+
+app.info.cls = _Commands
+
+
 @app.command("eval")
 def evaluate(
     agent: Annotated[str, typer.Option(help="Agent profile (calc) or 'module:function'.")] = "calc",
-    model: Annotated[
+    policy: Annotated[
         str,
         typer.Option(help="What to score: champion (or another alias), a version number, base."),
     ] = "champion",
     eval_size: Annotated[int, typer.Option(help="Held-out tasks.")] = 200,
     base_model: Annotated[str | None, typer.Option(help="Base model of the adapter.")] = None,
     tasks: Annotated[str | None, typer.Option(help="Task loader 'module:function'.")] = None,
+    model: Annotated[
+        str | None, typer.Option(hidden=True, help="Deprecated name of --policy.")
+    ] = None,
 ) -> None:
     """Score a registered policy on the agent's held-out benchmark (Prefect flow 'evaluate')."""
+    if model is not None:
+        # --model meant the policy here but the base model in `train`: renamed, kept a while.
+        typer.echo("note: eval's --model is now --policy (--model will go away)", err=True)
+        policy = model
     _quiet_prefect()
     _interrupt_on_sigterm()
     from lightning_rl.flows.evaluate import evaluate as evaluate_flow
     from lightning_rl.tasks.profiles import profile
 
+    _agents_from_cwd()
     try:
         profile(agent, tasks)  # a bad name fails here, before any flow starts
     except LightningError as exc:
         _fail(exc)
     try:
         result = evaluate_flow(
-            agent=agent, policy=model, eval_size=eval_size, model=base_model, tasks=tasks
+            agent=agent, policy=policy, eval_size=eval_size, model=base_model, tasks=tasks
         )
     except LightningError as exc:
         _fail(exc)
     except ValidationError as exc:
         _fail(LightningError(f"invalid parameters: {exc}"))
     typer.echo(
-        f"{result['agent']} {model}: {result['accuracy']:.1%} "
+        f"{result['agent']} {policy}: {result['score']:.1%} "
         f"[{result['ci_low']:.1%}, {result['ci_high']:.1%}] on {result['tasks']} tasks"
     )
 

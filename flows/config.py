@@ -1,4 +1,8 @@
-"""The training flow's configuration: one pydantic model, also the Prefect parameter schema.
+"""The training flow's configuration: one pydantic model, declared once.
+
+Everything else follows from `TrainConfig`: the flow's parameters and the Prefect parameter
+schema (`train_config_parameters`), the `lightning-rl train` options (flows/cli.py) and the
+README's settings table (`python -m lightning_rl.flows.config --markdown`).
 
 Defaults are the CPU demo: SmolLM2-135M on this machine's cores, the calc agent, about half an
 hour. On a GPU, raise `tasks_per_iteration`, `iterations` and the model size; the algorithm does
@@ -7,15 +11,19 @@ not change.
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, Literal, TypeVar
 
-from lightning_rl.tasks.registry import RegistryConfig
 from pydantic import BaseModel, Field, field_validator
+from pydantic_core import to_jsonable_python
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.collect import CreditConfig
 from lightning_core.curriculum import CurriculumConfig
+from lightning_rl.registry.config import RegistryConfig
 
 
 def _demo_trainer() -> TrainerConfig:
@@ -98,8 +106,15 @@ class TrainConfig(BaseModel):
         "the policy with its calls) and the adapter's initialisation: a repeated run samples "
         "the same rollouts.",
     )
-    trainer: TrainerConfig = Field(default_factory=_demo_trainer)
-    credit: CreditConfig = Field(default_factory=CreditConfig)
+    trainer: TrainerConfig = Field(
+        default_factory=_demo_trainer,
+        description="The LoRA policy-gradient update; its model and seed are the run's.",
+    )
+    credit: CreditConfig = Field(
+        default_factory=CreditConfig,
+        description="Credit assignment: each action's share of its episode's return, and the "
+        "advantage estimator over a task's group of rollouts.",
+    )
     curriculum: CurriculumConfig = Field(
         default_factory=CurriculumConfig,
         description="How each iteration draws its tasks: by tier, and with resampling when too "
@@ -116,3 +131,116 @@ class TrainConfig(BaseModel):
         if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,80}", value):
             raise ValueError("run_name may hold letters, digits, '.', '_' and '-' only")
         return value
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def nested_models() -> dict[str, type[BaseModel]]:
+    """TrainConfig's fields that are themselves settings models (trainer, credit, ...)."""
+    return {
+        name: field.annotation
+        for name, field in TrainConfig.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+
+
+def train_config_parameters(fn: F) -> F:
+    """Give `def train(**params)` one keyword parameter per TrainConfig field, with its type,
+    constraints, default and description, so that a Prefect flow over it has TrainConfig's
+    parameter schema and validation without declaring them again.
+
+        @flow(name="train")
+        @train_config_parameters
+        def train(**params: Any) -> dict[str, Any]:
+            return run_training(TrainConfig.model_validate(params))
+
+    The description rides in the annotation twice: as `Field(description=...)` for pydantic,
+    and in `json_schema_extra`, because Prefect's schema builder sets each parameter's
+    description from the docstring (None here), which overrides the annotation's but not the
+    extra schema keys. Defaults are values (default_factory called once, here, so every call
+    shares them: read-only, as settings are), not FieldInfo: Prefect's validation would pass a
+    FieldInfo default through to the function.
+    """
+    kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+    if kinds != {inspect.Parameter.VAR_KEYWORD}:
+        raise TypeError(f"{fn.__name__} must take **params only, the fields of TrainConfig")
+    parameters, annotations = [], {}
+    for name, field in TrainConfig.model_fields.items():
+        described = Field(
+            description=field.description,
+            json_schema_extra={"description": field.description} if field.description else None,
+        )
+        # rebuild_annotation: the type with its constraints (ge=1, ...) as Annotated metadata.
+        annotation = Annotated[field.rebuild_annotation(), described]
+        default = field.get_default(call_default_factory=True)
+        parameters.append(
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+            )
+        )
+        annotations[name] = annotation
+    returns = inspect.signature(fn).return_annotation
+    fn.__signature__ = inspect.Signature(parameters, return_annotation=returns)  # type: ignore[attr-defined]
+    fn.__annotations__ = {**annotations, "return": fn.__annotations__.get("return", Any)}
+    return fn
+
+
+def settings_rows(
+    model: type[BaseModel] = TrainConfig, value: BaseModel | None = None, prefix: str = ""
+) -> Iterator[tuple[str, str, str]]:
+    """(dotted field name, default as JSON, description) of every setting, nested models'
+    fields included (`trainer.learning_rate`), with TrainConfig's own defaults for them."""
+    value = value if value is not None else model()
+    for name, field in model.model_fields.items():
+        current = getattr(value, name)
+        description = field.description or ""
+        if isinstance(current, BaseModel):
+            yield prefix + name, "", description or (type(current).__doc__ or "").strip()
+            yield from settings_rows(type(current), current, f"{prefix}{name}.")
+        else:
+            yield prefix + name, json.dumps(to_jsonable_python(current)), description
+
+
+def settings_markdown() -> str:
+    """The README's table of training settings."""
+    lines = ["| setting | default | description |", "|---|---|---|"]
+    for name, default, description in settings_rows():
+        cells = [f"`{name}`", f"`{default}`" if default else "", description.replace("|", "\\|")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+README_START, README_END = "<!-- settings:start -->", "<!-- settings:end -->"
+
+
+def with_settings_table(readme: str) -> str:
+    """`readme` with the text between its settings markers replaced by `settings_markdown()`."""
+    head, found, rest = readme.partition(README_START)
+    _, found_end, tail = rest.partition(README_END)
+    if not (found and found_end):
+        raise ValueError(f"no {README_START} ... {README_END} section")
+    return f"{head}{README_START}\n{settings_markdown()}{README_END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_rl.flows.config", description="TrainConfig as documentation."
+    )
+    parser.add_argument("--markdown", action="store_true", help="Print the settings table.")
+    parser.add_argument(
+        "--update-readme", metavar="PATH", help="Rewrite the table between PATH's markers."
+    )
+    args = parser.parse_args(argv)
+    if args.update_readme:
+        path = Path(args.update_readme)
+        path.write_text(with_settings_table(path.read_text()))
+    if args.markdown or not args.update_readme:
+        print(settings_markdown(), end="")
+
+
+if __name__ == "__main__":
+    main()

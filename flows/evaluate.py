@@ -12,15 +12,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_rl.tasks import registry, report
-from lightning_rl.tasks.evaluation import evaluate_policy
-from lightning_rl.tasks.profiles import profile
-from lightning_rl.tasks.server import policy_server
-from lightning_rl.tasks.training import publish_policy
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from lightning_core.errors import InvalidInput, NotFound
+from lightning_rl.registry.config import RegistryConfig, resolve
+from lightning_rl.registry.runs import log_metrics, log_params, tracking
+from lightning_rl.registry.versions import champion_adapter
+from lightning_rl.tasks import report
+from lightning_rl.tasks.evaluation import evaluate_policy
+from lightning_rl.tasks.profiles import profile
+from lightning_rl.tasks.server import policy_server
+from lightning_rl.tasks.training import publish_policy
 
 
 @flow(name="evaluate", log_prints=True)
@@ -34,7 +37,7 @@ def evaluate(
     concurrency: int = 32,
     rollout_timeout_s: float | None = None,
     run_dir: str = "runs",
-    registry_config: registry.RegistryConfig | None = None,
+    registry: RegistryConfig | None = None,
 ) -> dict[str, Any]:
     """Score `policy` on the agent's held-out split: 'base' (the base model), 'champion' or
     another alias, or a registered model version number."""
@@ -42,16 +45,14 @@ def evaluate(
     if eval_size < 1:
         raise InvalidInput(f"eval_size must be at least 1, not {eval_size}")
     spec = profile(agent, tasks)
-    config = registry_config or registry.RegistryConfig(registered_model="")
-    if not config.registered_model:
-        config = config.model_copy(update={"registered_model": spec.registered_model})
+    config = resolve(registry, spec.registered_model)
     test_tasks = spec.load_tasks("test", eval_size, task_source)
     root = Path(run_dir).resolve() / f"eval-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True, exist_ok=True)
 
     found = None
     if policy != "base":
-        found = registry.champion_adapter(config, policy, dst=root / "adapter")
+        found = champion_adapter(config, policy, dst=root / "adapter")
         if found is None:
             raise NotFound(
                 f"registered model {config.registered_model!r} has no version {policy!r}: "
@@ -78,14 +79,14 @@ def evaluate(
             run_dir=str(root),
         ).result()
     log.info("held-out: %s", result.summary())
-    with registry.tracking(
+    with tracking(
         config, run_name=root.name, tags={"agent": spec.name, "kind": "evaluation"}
     ) as run:
-        registry.log_params(
+        log_params(
             {"policy": policy, "version": found.version if found else "base", "tasks": eval_size},
             run_id=run.info.run_id,
         )
-        registry.log_metrics(result.metrics(), step=0, run_id=run.info.run_id)
+        log_metrics(result.metrics(), step=0, run_id=run.info.run_id)
     summary = {
         "agent": spec.name,
         "policy": policy,

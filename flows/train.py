@@ -3,7 +3,7 @@ evaluation, then MLflow registration with a gated promotion.
 
     serve      store + OpenAI-compatible gateway + backend (a child process)
     evaluate   the base model on the held-out split (iteration 0)
-    each iteration k = 1..N
+    each iteration k = 1..N, a subflow run `iteration-<k>`
       plan       draw tasks by the curriculum's tiers, G rollouts each on the current policy
       rollout    run-rollouts.map over workers (threads, Ray or Dask)
       collect    spans -> transitions, LightningRL credit, group advantages (stored)
@@ -12,7 +12,12 @@ evaluation, then MLflow registration with a gated promotion.
       train      LoRA policy-gradient update (global concurrency limit "gpu")
       publish    adapter k registered as policy version <run>-v<k>; the next rollouts use it
       evaluate   every E iterations and at the end
+      checkpoint the run folder's checkpoint.json: where a resumed run continues
     register   MLflow model version (challenger); champion only if it beats the champion
+
+A run started again with the name of a run folder that has a checkpoint (`lightning-rl train
+--resume <run>`, or a deployment run with the same run_name) continues after the last finished
+iteration, in the same folder and the same MLflow run (flows/run_state.py).
 
 With `policy_per_agent`, each trained agent has its own adapter and trainer: train splits the
 iteration's transitions by agent, publish registers <run>-v<k>-<agent> per agent and <run>-v<k>,
@@ -22,43 +27,61 @@ which serves each agent's calls with its own, and that one version is evaluated,
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-from lightning_rl.flows.config import TrainConfig
-from lightning_rl.tasks import progress, registry, report
+from prefect import flow, get_run_logger, unmapped
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import BaseModel
+
+from lightning_core import analytics, semconv
+from lightning_core.adapter import AdapterConfig
+from lightning_core.collect import Collected, CreditConfig
+from lightning_core.comparison import compare
+from lightning_core.curriculum import Curriculum, group_signal
+from lightning_core.errors import InvalidInput
+from lightning_core.evaluation import EvalResult
+from lightning_core.rewards import AIRRule
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.types import RolloutStatus
+from lightning_rl.flows.config import TrainConfig, train_config_parameters
+from lightning_rl.flows.run_state import (
+    Checkpoint,
+    Evaluation,
+    check_same_config,
+    default_run_name,
+    load_checkpoint,
+    run_folder,
+    save_checkpoint,
+    save_config,
+)
+from lightning_rl.registry.config import resolve
+from lightning_rl.registry.runs import log_artifact, log_metrics_once, log_params, tracking
+from lightning_rl.tasks import progress, report
 from lightning_rl.tasks.analysis import analyze_iteration
 from lightning_rl.tasks.evaluation import evaluate_policy
 from lightning_rl.tasks.profiles import AgentProfile, profile
+from lightning_rl.tasks.registry import register_policy
 from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
-from lightning_rl.tasks.server import PolicyServer, policy_server
+from lightning_rl.tasks.server import policy_server
 from lightning_rl.tasks.training import (
+    agent_trainer_configs,
     ensure_gpu_limit,
     publish_policy,
     train_agent_policies,
     train_policy,
 )
-from prefect import flow, get_run_logger, task, unmapped
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import ThreadPoolTaskRunner
-
-from lightning_core import analytics, semconv
-from lightning_core.adapter import AdapterConfig
-from lightning_core.algo.config import TrainerConfig
-from lightning_core.algo.trainer import LoRATrainer
-from lightning_core.collect import Collected, CreditConfig
-from lightning_core.comparison import compare
-from lightning_core.curriculum import Curriculum, CurriculumConfig, group_signal
-from lightning_core.errors import InvalidInput
-from lightning_core.evaluation import EvalResult
-from lightning_core.rewards import AIRRule
-
-_D = TrainConfig()
 
 
 def _cluster_runner(config: TrainConfig) -> Any:
@@ -80,19 +103,6 @@ def _fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, 
     with _cluster_runner(config) as runner:
         futures = runner.map(run_rollouts, parameters)
         return [f.result() for f in futures]
-
-
-def _run_folder(config: TrainConfig, agent: AgentProfile) -> tuple[str, Path]:
-    name = config.run_name or f"{agent.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    root = Path(config.run_dir).resolve() / name
-    root.mkdir(parents=True, exist_ok=True)
-    # runs/latest: where `lightning-rl analyze` looks by default.
-    latest = root.parent / "latest"
-    tmp = root.parent / f".latest-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(root.name)
-    os.replace(tmp, latest)
-    return name, root
 
 
 def _air(agent: AgentProfile, config: TrainConfig) -> list[AIRRule]:
@@ -127,23 +137,46 @@ def _policy_agents(config: TrainConfig, agent: AgentProfile) -> list[str] | None
     return list(names)
 
 
-def _trainers(trainer_config: TrainerConfig, agents: list[str]) -> dict[str, LoRATrainer]:
-    # Each agent's adapter starts from its own seed, so they are independent from step 0.
-    return {
-        name: LoRATrainer(trainer_config.model_copy(update={"seed": trainer_config.seed + i}))
-        for i, name in enumerate(agents)
-    }
+class RunContext(BaseModel):
+    """What every iteration of a run needs to know beside its config: plain names and paths."""
+
+    run_name: str
+    root: str
+    server_url: str
+    base_model: str
+    registered_model: str
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tasks(
+    agent: str, loader: str | None, split: str, size: int, source: str | None
+) -> list[dict[str, Any]]:
+    # Each iteration's subflow asks again; the run's process loads a split once.
+    return profile(agent, loader).load_tasks(split, size, source)
+
+
+def _train_tasks(config: TrainConfig) -> list[dict[str, Any]]:
+    return _load_tasks(config.agent, config.tasks, "train", config.train_size, config.task_source)
+
+
+def _test_tasks(config: TrainConfig) -> list[dict[str, Any]]:
+    return _load_tasks(config.agent, config.tasks, "test", config.eval_size, config.task_source)
+
+
+def _credit(config: TrainConfig, agent: AgentProfile) -> CreditConfig:
+    """The credit config with its success threshold: the user's, else the agent profile's."""
+    if config.credit.success_threshold is not None:
+        return config.credit
+    return config.credit.model_copy(update={"success_threshold": agent.success_threshold})
 
 
 def _rollout_rounds(
     config: TrainConfig,
     agent: AgentProfile,
-    server_url: str,
+    run: RunContext,
     curriculum: Curriculum,
     policy: str,
-    run_name: str,
     it: int,
-    root: Path,
 ) -> tuple[Collected, dict[str, float]]:
     """An iteration's rollouts: tasks drawn by the curriculum, G rollouts each, collected;
     then, while fewer than tasks_per_iteration groups carry a signal and rounds are left,
@@ -152,7 +185,7 @@ def _rollout_rounds(
     adapter = AdapterConfig(
         agents=config.train_agents or agent.train_agents, air=_air(agent, config)
     )
-    credit = config.credit.model_copy(update={"success_threshold": agent.success_threshold})
+    credit = _credit(config, agent)
     wanted = config.tasks_per_iteration
     merged, drawn, with_signal = Collected(), [], 0
     weights = curriculum.weights()
@@ -163,11 +196,11 @@ def _rollout_rounds(
         if not chosen:
             break
         rollout_ids = plan_rollouts(
-            server_url,
+            run.server_url,
             chosen,
             config.group_size,
             policy,
-            f"{run_name}-it{it}",
+            f"{run.run_name}-it{it}",
             {"temperature": config.temperature},
             config.max_attempts,
             seed=config.seed,
@@ -179,16 +212,16 @@ def _rollout_rounds(
             config,
             {
                 "worker": list(range(config.rollout_workers)),
-                "server_url": unmapped(server_url),
+                "server_url": unmapped(run.server_url),
                 "agent": unmapped(agent.agent),
                 "rollout_ids": unmapped(rollout_ids),
                 "concurrency": unmapped(config.rollout_concurrency),
                 "rollout_timeout_s": unmapped(config.rollout_timeout_s),
                 "default_model": unmapped(policy),
-                "run_dir": unmapped(str(root)),
+                "run_dir": unmapped(run.root),
             },
         )
-        collected = collect_transitions(server_url, rollout_ids, adapter, credit)
+        collected = collect_transitions(run.server_url, rollout_ids, adapter, credit)
         merged.transitions += collected.transitions
         merged.facts |= collected.facts
         task_of = {r: str(f.task_id) for r, f in collected.facts.items()}
@@ -206,48 +239,153 @@ def _rollout_rounds(
     return merged, sampled
 
 
-@task(name="register-policy", timeout_seconds=900, cache_policy=NO_CACHE)
-def register_policy(
-    config: registry.RegistryConfig,
-    adapter_dir: str,
-    base_model: str,
-    policy_version: str,
-    iteration: int,
-    score: float,
-    run_id: str,
-) -> registry.PromotionDecision:
-    """New registered model version (alias challenger); champion moves only past the gate.
-    No retries: a retry would register a second version."""
-    return registry.publish_adapter(
-        config,
-        adapter_dir,
-        base_model=base_model,
-        policy_version=policy_version,
-        iteration=iteration,
-        score=score,
-        run_id=run_id,
-    )
-
-
-def _evaluate(
-    config: TrainConfig,
-    agent: AgentProfile,
-    server: PolicyServer,
-    tasks: list[dict[str, Any]],
-    policy: str,
-    root: Path,
-) -> EvalResult:
+def _evaluate(config: TrainConfig, agent: AgentProfile, run: RunContext, policy: str) -> EvalResult:
     # An async task (its timeout can cancel it); submitted, it runs on the task runner.
     return evaluate_policy.submit(
-        server.url,
+        run.server_url,
         agent.agent,
-        tasks,
+        _test_tasks(config),
         policy,
         concurrency=config.rollout_workers * config.rollout_concurrency,
         rollout_timeout_s=config.rollout_timeout_s,
-        success_threshold=agent.success_threshold,
-        run_dir=str(root),
+        success_threshold=_credit(config, agent).success_threshold,
+        run_dir=run.root,
     ).result()
+
+
+def _record_evaluation(
+    run: RunContext, checkpoint: Checkpoint, iteration: int, result: EvalResult
+) -> list[Evaluation]:
+    """A held-out score into MLflow, the progress file and the log."""
+    log_metrics_once(result.metrics(), step=iteration, run_id=checkpoint.mlflow_run_id)
+    progress.report(run.root, "evaluated", iteration=iteration, **result.model_dump())
+    get_run_logger().info("held-out after iteration %d: %s", iteration, result.summary())
+    return [*checkpoint.evaluations, Evaluation.of(iteration, result)]
+
+
+def _record_iteration(run: RunContext, checkpoint: Checkpoint, metrics: dict[str, Any]) -> None:
+    """An iteration's metrics, one dict, into MLflow, the progress file and the log."""
+    it = int(metrics["iteration"])
+    values = {k: v for k, v in metrics.items() if k not in ("iteration", "policy")}
+    log_metrics_once(values, step=it, run_id=checkpoint.mlflow_run_id)
+    progress.report(run.root, "iterated", **metrics)
+    get_run_logger().info(
+        "iteration %d: reward %.3f, success %.3f, %d transitions trained -> %s",
+        it,
+        metrics.get("rollout/reward_mean", float("nan")),
+        metrics.get("rollout/success_rate", float("nan")),
+        int(metrics.get("train/transitions", 0)),
+        metrics["policy"],
+    )
+
+
+@flow(name="iteration", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
+def train_iteration(
+    config: TrainConfig, run: RunContext, checkpoint: Checkpoint, iteration: int
+) -> Checkpoint:
+    """One iteration: rollouts, credit, analytics, the LoRA update, the new policy version
+    and, when due, a held-out evaluation; it ends by writing the run's checkpoint."""
+    agent = profile(config.agent, config.tasks)
+    policy_agents = _policy_agents(config, agent)
+    it = iteration
+    policy = checkpoint.policy or run.base_model
+    progress.report(run.root, "iteration", iteration=it, policy=policy)
+    curriculum = Curriculum(_train_tasks(config), config.curriculum, config.seed)
+    curriculum.learnability.update(checkpoint.learnability)
+    collected, sampled = _rollout_rounds(config, agent, run, curriculum, policy, it)
+    analysis = analyze_iteration(
+        run.root, it, collected, artifact_key=report.artifact_key(agent.name, "agent-breakdown")
+    )
+    progress.report(run.root, "training", iteration=it, transitions=len(collected.trainable))
+    trainer_config = config.trainer.model_copy(update={"model": config.model, "seed": config.seed})
+    adapter_dir = str(Path(run.root) / "adapters" / f"v{it}")
+    previous = checkpoint.adapter_dir or None
+    if policy_agents:
+        trained = train_agent_policies(
+            agent_trainer_configs(trainer_config, policy_agents),
+            collected.transitions,
+            previous,
+            adapter_dir,
+            config.updates_per_iteration,
+            config.seed + it,
+        )
+    else:
+        trained = train_policy(
+            trainer_config,
+            collected.transitions,
+            previous,
+            adapter_dir,
+            config.updates_per_iteration,
+            config.seed + it,
+        )
+    policy = publish_policy(
+        run.server_url, f"{run.run_name}-v{it}", run.base_model, adapter_dir, it
+    )
+    metrics = {"iteration": it, "policy": policy, **analysis["metrics"], **sampled, **trained}
+    _record_iteration(run, checkpoint, metrics)
+    evaluations = checkpoint.evaluations
+    if it % config.eval_every == 0 or it == config.iterations:
+        evaluations = _record_evaluation(run, checkpoint, it, _evaluate(config, agent, run, policy))
+    done = checkpoint.model_copy(
+        update={
+            "iteration": it,
+            "policy": policy,
+            "adapter_dir": adapter_dir,
+            "learnability": dict(curriculum.learnability),
+            "evaluations": evaluations,
+            "history": [*checkpoint.history, metrics],
+        }
+    )
+    save_checkpoint(Path(run.root), done)
+    return done
+
+
+def _cancel_unfinished(server_url: str) -> int:
+    """Rollouts a killed run left queued or running: cancelled, so that the redone iteration's
+    workers never take them (the redo plans its own)."""
+
+    async def cancel() -> int:
+        async with HttpStoreClient(server_url) as store:
+            left = await store.query_rollouts(
+                status=[RolloutStatus.queuing, RolloutStatus.running, RolloutStatus.requeuing]
+            )
+            for rollout in left:
+                await store.cancel_rollout(rollout.rollout_id)
+            return len(left)
+
+    return asyncio.run(cancel())
+
+
+def _start_or_resume(config: TrainConfig, agent: AgentProfile) -> tuple[Path, Checkpoint | None]:
+    """The run folder, and its checkpoint when the run was started before."""
+    root = run_folder(config.run_dir, config.run_name or default_run_name(agent.name))
+    checkpoint = load_checkpoint(root)
+    given = config.model_dump(mode="json", exclude={"run_dir"})
+    if checkpoint is not None:
+        check_same_config(root, given)
+        if checkpoint.iteration > config.iterations:
+            raise InvalidInput(
+                f"run {root.name} has already finished {checkpoint.iteration} iterations; "
+                f"iterations={config.iterations} cannot undo them"
+            )
+    save_config(root, given)
+    return root, checkpoint
+
+
+def _progress_artifact(agent: AgentProfile, run_name: str, done: int, total: int) -> Any:
+    return create_progress_artifact(
+        progress=100.0 * done / total,
+        key=report.artifact_key(agent.name, "training-progress"),
+        description=f"Iterations of {run_name} finished, in percent of {total}",
+    )
+
+
+def _iterations_table(agent: AgentProfile, run_name: str, history: list[dict[str, Any]]) -> None:
+    create_table_artifact(
+        history,
+        key=report.artifact_key(agent.name, "iterations"),
+        description=f"Per-iteration metrics of {run_name} (as logged to MLflow)",
+    )
 
 
 def run_training(config: TrainConfig) -> dict[str, Any]:
@@ -255,21 +393,13 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     log = get_run_logger()
     agent = profile(config.agent, config.tasks)
     policy_agents = _policy_agents(config, agent)
+    config = config.model_copy(update={"run_name": config.run_name or default_run_name(agent.name)})
+    root, checkpoint = _start_or_resume(config, agent)
+    run_name = root.name
     if config.rollout_timeout_s is None:
         config = config.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
-    run_name, root = _run_folder(config, agent)
-    (root / "config.json").write_text(config.model_dump_json(indent=2))
-    train_tasks = agent.load_tasks("train", config.train_size, config.task_source)
-    test_tasks = agent.load_tasks("test", config.eval_size, config.task_source)
-    registry_config = config.registry
-    if not registry_config.registered_model:
-        registry_config = registry_config.model_copy(
-            update={"registered_model": agent.registered_model}
-        )
-    curriculum = Curriculum(train_tasks, config.curriculum, config.seed)
-    trainer_config: TrainerConfig = config.trainer.model_copy(
-        update={"model": config.model, "seed": config.seed}
-    )
+    registry_config = resolve(config.registry, agent.registered_model)
+    train_tasks, test_tasks = _train_tasks(config), _test_tasks(config)
     started = time.time()
     ensure_gpu_limit()
     progress.report(root, "start", run=run_name, iterations=config.iterations)
@@ -286,101 +416,78 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             tool_format=agent.tool_format,
             vllm_url=config.vllm_url,
         ) as server,
-        registry.tracking(registry_config, run_name=run_name, tags={"agent": agent.name}) as ml,
+        tracking(
+            registry_config,
+            run_name=run_name,
+            tags={"agent": agent.name},
+            run_id=checkpoint.mlflow_run_id if checkpoint else None,
+        ) as ml,
     ):
-        run_id = ml.info.run_id
-        registry.log_params(
-            {
-                **config.model_dump(mode="json"),
-                "registered_model": registry_config.registered_model,
-            },
-            run_id=run_id,
+        run = RunContext(
+            run_name=run_name,
+            root=str(root),
+            server_url=server.url,
+            base_model=server.base_model,
+            registered_model=registry_config.registered_model,
         )
+        if checkpoint is None:
+            checkpoint = Checkpoint(mlflow_run_id=ml.info.run_id)
+            save_checkpoint(root, checkpoint)
+            # Once, when the MLflow run is new: MLflow refuses a param's value to change, and
+            # a resumed run may have more iterations.
+            log_params(
+                {
+                    **config.model_dump(mode="json"),
+                    "registered_model": registry_config.registered_model,
+                },
+                run_id=checkpoint.mlflow_run_id,
+            )
+        else:
+            cancelled = _cancel_unfinished(server.url)
+            log.info(
+                "resuming run %s after iteration %d (%d unfinished rollouts cancelled)",
+                run_name,
+                checkpoint.iteration,
+                cancelled,
+            )
         log.info(
             "policy server %s serving %s (log: %s)", server.url, server.base_model, server.log_path
         )
+        if checkpoint.iteration < 0:
+            base = _evaluate(config, agent, run, server.base_model)
+            evaluations = _record_evaluation(run, checkpoint, 0, base)
+            checkpoint = checkpoint.model_copy(update={"iteration": 0, "evaluations": evaluations})
+            save_checkpoint(root, checkpoint)
 
-        evals: list[tuple[int, EvalResult]] = []
-        base = _evaluate(config, agent, server, test_tasks, server.base_model, root)
-        evals.append((0, base))
-        registry.log_metrics(base.metrics(), step=0, run_id=run_id)
-        progress.report(root, "evaluated", iteration=0, **base.model_dump())
-        log.info("base model: %s", base.summary())
+        bar = _progress_artifact(agent, run_name, checkpoint.iteration, config.iterations)
+        for it in range(checkpoint.iteration + 1, config.iterations + 1):
+            checkpoint = train_iteration.with_options(flow_run_name=f"iteration-{it}")(
+                config=config, run=run, checkpoint=checkpoint, iteration=it
+            )
+            update_progress_artifact(bar, progress=100.0 * it / config.iterations)
+            _iterations_table(agent, run_name, checkpoint.history)
 
-        # One trainer per agent with policy_per_agent (each loads its own copy of the model).
-        trainers = _trainers(trainer_config, policy_agents) if policy_agents else {}
-        trainer = None if trainers else LoRATrainer(trainer_config)
-        policy, adapter_dir = server.base_model, ""
-        for it in range(1, config.iterations + 1):
-            progress.report(root, "iteration", iteration=it, policy=policy)
-            collected, sampled = _rollout_rounds(
-                config, agent, server.url, curriculum, policy, run_name, it, root
-            )
-            analysis = analyze_iteration(
-                str(root),
-                it,
-                collected,
-                artifact_key=report.artifact_key(agent.name, "agent-breakdown"),
-            )
-            progress.report(root, "training", iteration=it, transitions=len(collected.trainable))
-            adapter_dir = str(root / "adapters" / f"v{it}")
-            if trainers:
-                trained = train_agent_policies(
-                    trainers,
-                    collected.transitions,
-                    adapter_dir,
-                    config.updates_per_iteration,
-                    config.seed + it,
-                )
-            else:
-                trained = train_policy(
-                    trainer,
-                    collected.transitions,
-                    adapter_dir,
-                    config.updates_per_iteration,
-                    config.seed + it,
-                )
-            policy = publish_policy(
-                server.url, f"{run_name}-v{it}", server.base_model, adapter_dir, it
-            )
-            metrics = {**analysis["metrics"], **sampled, **trained}
-            registry.log_metrics(metrics, step=it, run_id=run_id)
-            progress.report(root, "iterated", iteration=it, policy=policy, **metrics)
-            log.info(
-                "iteration %d: reward %.3f, success %.3f, %d transitions trained -> %s",
-                it,
-                metrics.get("rollout/reward_mean", float("nan")),
-                metrics.get("rollout/success_rate", float("nan")),
-                int(trained["train/transitions"]),
-                policy,
-            )
-            if it % config.eval_every == 0 or it == config.iterations:
-                result = _evaluate(config, agent, server, test_tasks, policy, root)
-                evals.append((it, result))
-                registry.log_metrics(result.metrics(), step=it, run_id=run_id)
-                progress.report(root, "evaluated", iteration=it, **result.model_dump())
-                log.info("held-out after iteration %d: %s", it, result.summary())
-
-        final = evals[-1][1]
+        evals = [(e.iteration, e.restored()) for e in checkpoint.evaluations]
+        base, final = evals[0][1], evals[-1][1]
         # Base and final on the same tasks: per-tier rows and the paired interval of the gain.
         comparison = compare(
             base,
             final,
             test_tasks,
             config.curriculum.tier_key,
-            agent.success_threshold,
+            _credit(config, agent).success_threshold,
             config.seed,
         )
         (root / "heldout_comparison.json").write_text(comparison.model_dump_json(indent=2))
         log.info("held-out, base vs final:\n%s", comparison.markdown())
         decision = register_policy(
             registry_config,
-            adapter_dir,
+            checkpoint.adapter_dir,
             config.model or "smollm2",
-            policy,
+            checkpoint.policy,
             config.iterations,
-            final.accuracy,
-            run_id,
+            final.score,
+            checkpoint.mlflow_run_id,
         )
         log.info("registry: %s", decision.reason)
 
@@ -391,7 +498,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             con.close()
         title = f"{agent.name}: {run_name}"
         curve = report.reward_curve(history, evals, root / "reward_curve.png", title)
-        registry.log_artifact(curve, run_id=run_id)
+        log_artifact(curve, run_id=checkpoint.mlflow_run_id)
         summary = {
             "run": run_name,
             "run_dir": str(root),
@@ -399,16 +506,16 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             "iterations": config.iterations,
             "base": base.model_dump(),
             "final": final.model_dump(),
-            "gain_points": round((final.accuracy - base.accuracy) * 100, 1),
+            "gain_points": round((final.score - base.score) * 100, 1),
             "gain_ci_points": list(comparison.gain_ci_points),
             "per_tier": [r.model_dump() for r in comparison.rows],
-            "policy_version": policy,
-            "adapter": adapter_dir,
+            "policy_version": checkpoint.policy,
+            "adapter": checkpoint.adapter_dir,
             "policy_agents": policy_agents,
             "promotion": decision.model_dump(),
             "reward_curve": str(curve),
             "minutes": round((time.time() - started) / 60, 1),
-            "mlflow_run_id": run_id,
+            "mlflow_run_id": checkpoint.mlflow_run_id,
         }
         create_markdown_artifact(
             report.markdown(title, history, evals, curve, decision.reason, extra=summary),
@@ -423,49 +530,30 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         create_table_artifact(
             [{"iteration": i, **e.model_dump()} for i, e in evals],
             key=report.artifact_key(agent.name, "heldout"),
-            description="Held-out accuracy per evaluation",
+            description="Held-out score per evaluation",
         )
     (root / "summary.json").write_text(json.dumps(summary, indent=2))
     progress.report(root, "done", **{k: v for k, v in summary.items() if k != "promotion"})
     return summary
 
 
-@flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
-def train(
-    agent: str = _D.agent,
-    tasks: str | None = _D.tasks,
-    task_source: str | None = _D.task_source,
-    iterations: int = _D.iterations,
-    tasks_per_iteration: int = _D.tasks_per_iteration,
-    group_size: int = _D.group_size,
-    temperature: float = _D.temperature,
-    max_attempts: int = _D.max_attempts,
-    rollout_timeout_s: float | None = _D.rollout_timeout_s,
-    rollout_workers: int = _D.rollout_workers,
-    rollout_concurrency: int = _D.rollout_concurrency,
-    task_runner: str = _D.task_runner,
-    task_runner_address: str | None = _D.task_runner_address,
-    eval_every: int = _D.eval_every,
-    eval_size: int = _D.eval_size,
-    train_size: int = _D.train_size,
-    updates_per_iteration: int = _D.updates_per_iteration,
-    model: str | None = _D.model,
-    backend: str = _D.backend,
-    vllm_url: str | None = _D.vllm_url,
-    host: str = _D.host,
-    run_dir: str = _D.run_dir,
-    run_name: str | None = _D.run_name,
-    train_agents: list[str] | None = _D.train_agents,
-    policy_per_agent: bool = _D.policy_per_agent,
-    air_reward: float | None = _D.air_reward,
-    seed: int = _D.seed,
-    trainer: TrainerConfig = _D.trainer,
-    credit: CreditConfig = _D.credit,
-    curriculum: CurriculumConfig = _D.curriculum,
-    registry_config: registry.RegistryConfig = _D.registry,
-) -> dict[str, Any]:
+def _flow_run_name() -> str:
+    # The flow run is named after the run (a resumed run's flow runs share its name); without
+    # a run_name yet, after the agent.
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    return str(params.get("run_name") or f"train-{params.get('agent') or 'calc'}")
+
+
+@flow(
+    name="train",
+    flow_run_name=_flow_run_name,
+    log_prints=True,
+    task_runner=ThreadPoolTaskRunner(max_workers=16),
+)
+@train_config_parameters
+def train(**params: Any) -> dict[str, Any]:
     """Train an agent's policy with LightningRL; every parameter is a field of TrainConfig
     (flows/config.py), where each is described."""
-    params = dict(locals())
-    params["registry"] = params.pop("registry_config")
     return run_training(TrainConfig.model_validate(params))

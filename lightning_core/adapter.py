@@ -2,7 +2,7 @@
 
 Rewards follow the timeline: an intermediate reward (an emitted non-final reward, or what AIR
 rules give a tool span) is added to the transition of the last LLM call before it; the episode's
-final reward (the last primary reward span, else the rollout's final_reward) is added to the
+final reward (the last primary reward span, else the rollout's episode_return) is added to the
 last transition. So a transition's reward is what its action earned right after it, and the
 episode return is the sum over the transitions, which credit assignment spreads back.
 
@@ -119,7 +119,7 @@ def spans_to_transitions(
     final_value = (
         float(final.attributes[semconv.REWARD_VALUE])
         if final is not None
-        else (rollout.final_reward if rollout is not None else None)
+        else (rollout.episode_return if rollout is not None else None)
     )
     if transitions:
         transitions[-1].reward += (final_value or 0.0) + pending

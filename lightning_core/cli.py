@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from lightning_core.errors import LightningError
+from lightning_core.errors import InvalidInput, LightningError
 
 app = typer.Typer(
     name="lightning-rl",
@@ -60,12 +60,25 @@ def serve(
         str | None,
         typer.Option(help="Tools for templates without them: auto, hermes or line."),
     ] = None,
+    backend_options: Annotated[
+        str | None,
+        typer.Option(
+            metavar="JSON",
+            help="More settings of the backend, its config's fields as a JSON object, e.g. "
+            '\'{"max_batch_size": 16, "dtype": "bfloat16"}\' (transformers) or '
+            "'{\"max_model_len\": 4096}' (vllm).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the store's HTTP API, its OTLP traces endpoint and the OpenAI-compatible gateway.
 
     Set LIGHTNING_API_KEY to require 'Authorization: Bearer <key>'; it is required when --host is
-    not a loopback address. Every option can also be set as LIGHTNING_<OPTION>.
+    not a loopback address. Every option can also be set as LIGHTNING_<OPTION>, and so can the
+    store's and the gateway's other settings (LIGHTNING_ATTEMPT_TIMEOUT_S,
+    LIGHTNING_DEFAULT_MAX_TOKENS, ...).
     """
+    import json
+
     import uvicorn
     from pydantic import ValidationError
 
@@ -86,6 +99,11 @@ def serve(
         "tool_format": tool_format,
     }
     try:
+        if backend_options is not None:
+            try:
+                flags["backend_options"] = json.loads(backend_options)
+            except json.JSONDecodeError as exc:
+                raise InvalidInput(f"--backend-options takes a JSON object: {exc}") from exc
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})
         settings.check_exposure()
         store = DuckDBStore(settings.store_config())
@@ -124,20 +142,21 @@ def serve(
 
 def _gateway(settings, store):
     from lightning_core.backends import create_backend
-    from lightning_core.gateway.service import Gateway, GatewayConfig
+    from lightning_core.gateway.service import Gateway
 
     try:
         backend = create_backend(
-            settings.backend, settings.model, settings.vllm_url, settings.vllm_python
+            settings.backend,
+            settings.model,
+            settings.vllm_url,
+            settings.vllm_python,
+            options=settings.backend_options,
         )
     except OSError as exc:  # transformers' word for "no such folder, and the hub is unreachable"
         raise LightningError(f"cannot load model {settings.model!r}: {exc}") from exc
     if backend is None:
         return None
-    config = GatewayConfig(
-        default_max_tokens=settings.default_max_tokens, tool_format=settings.tool_format
-    )
-    return Gateway(backend, store, config)
+    return Gateway(backend, store, settings.gateway_config())
 
 
 @app.command()

@@ -37,8 +37,10 @@ class CreditConfig(BaseModel):
     normalize_std: bool = Field(
         False, description="Divide GRPO advantages by the group's std (Dr. GRPO leaves it out)."
     )
-    success_threshold: float = Field(
-        1.0, description="A rollout succeeded when its final reward is at least this."
+    success_threshold: float | None = Field(
+        None,
+        description="A rollout succeeded when its final reward is at least this; None: the "
+        "agent profile's (1.0 where there is none).",
     )
 
 
@@ -77,17 +79,18 @@ def collect(
     out = Collected()
     episodes: list[Episode] = []
     per_episode: list[list[Transition]] = []
+    threshold = 1.0 if credit.success_threshold is None else credit.success_threshold
     for rollout in rollouts:
         mine = by_rollout.get(rollout.rollout_id, [])
         succeeded = rollout.status is RolloutStatus.succeeded
         transitions = spans_to_transitions(mine, rollout, adapter) if succeeded else []
         calls, errors = _tool_counts(mine)
-        final = rollout.final_reward if succeeded and rollout.final_reward is not None else 0.0
+        final = rollout.episode_return if succeeded and rollout.episode_return is not None else 0.0
         out.facts[rollout.rollout_id] = RolloutFacts(
             group_id=rollout.group_id,
             task_id=rollout.task_id,
             episode_return=final,
-            success=final >= credit.success_threshold,
+            success=final >= threshold,
             tool_calls=calls,
             tool_errors=errors,
             policy_version=rollout.policy_version,

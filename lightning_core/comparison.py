@@ -1,4 +1,4 @@
-"""Base against final on the same held-out tasks: per-tier accuracy and a paired gain interval.
+"""Base against final on the same held-out tasks: per-tier score and a paired gain interval.
 
 Two policies scored on the same tasks are paired: each task is a (base, final) pair of
 outcomes. The gain's interval comes from a paired bootstrap, resampling tasks with both of
@@ -22,13 +22,13 @@ BOOTSTRAP_RESAMPLES = 10_000
 
 
 class TierRow(BaseModel):
-    """One tier's (or all tasks') base and final accuracy."""
+    """One tier's (or all tasks') base and final score."""
 
     tier: str
     tasks: int
-    base: float = Field(description="Base accuracy.")
+    base: float = Field(description="Base score.")
     base_ci: tuple[float, float] = Field(description="Wilson 95 % interval of base.")
-    final: float = Field(description="Final accuracy.")
+    final: float = Field(description="Final score.")
     final_ci: tuple[float, float] = Field(description="Wilson 95 % interval of final.")
     base_mean_reward: float
     final_mean_reward: float
@@ -42,7 +42,7 @@ class Comparison(BaseModel):
     """Base vs final on one benchmark."""
 
     rows: list[TierRow] = Field(description="One per tier, then 'all'.")
-    gain_points: float = Field(description="Final minus base accuracy, in points.")
+    gain_points: float = Field(description="Final minus base score, in points.")
     gain_ci_points: tuple[float, float] = Field(
         description="Paired bootstrap 95 % interval of the gain, in points."
     )

@@ -67,7 +67,7 @@ async def _summary(store: HttpStoreClient, ids: list[str]) -> tuple[int, int, fl
     rollouts = await store.query_rollouts(rollout_ids=ids)
     spans = await store.query_spans(ids)
     succeeded = [r for r in rollouts if r.status is RolloutStatus.succeeded]
-    mean = sum(r.final_reward or 0 for r in succeeded) / max(len(succeeded), 1)
+    mean = sum(r.episode_return or 0 for r in succeeded) / max(len(succeeded), 1)
     return len(succeeded), len(spans), mean
 
 

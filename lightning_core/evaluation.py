@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 
 from lightning_core.runner import Runner
 from lightning_core.store.base import LightningStore
@@ -37,11 +37,15 @@ class EvalResult(BaseModel):
 
     policy_version: str = Field(description="The policy evaluated.")
     tasks: int = Field(description="Benchmark tasks run.")
-    successes: int = Field(description="Rollouts whose final reward reached the threshold.")
-    accuracy: float = Field(description="successes / tasks: the score promotion compares.")
-    ci_low: float = Field(description="Lower end of the Wilson 95 % interval of accuracy.")
-    ci_high: float = Field(description="Upper end of the Wilson 95 % interval of accuracy.")
-    mean_reward: float = Field(description="Mean final reward (failed rollouts count 0).")
+    successes: int = Field(description="Rollouts whose episode return reached the threshold.")
+    score: float = Field(
+        # Runs before the glossary's renames wrote `accuracy`; their summaries still load.
+        validation_alias=AliasChoices("score", "accuracy"),
+        description="The held-out score: successes / tasks, what promotion compares.",
+    )
+    ci_low: float = Field(description="Lower end of the Wilson 95 % interval of the score.")
+    ci_high: float = Field(description="Upper end of the Wilson 95 % interval of the score.")
+    mean_reward: float = Field(description="Mean episode return (failed rollouts count 0).")
     failed: int = Field(0, description="Rollouts whose agent failed on every attempt.")
     rewards: dict[str, float] = Field(
         default_factory=dict,
@@ -52,7 +56,7 @@ class EvalResult(BaseModel):
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         return {
-            f"{prefix}/accuracy": self.accuracy,
+            f"{prefix}/score": self.score,
             f"{prefix}/ci_low": self.ci_low,
             f"{prefix}/ci_high": self.ci_high,
             f"{prefix}/mean_reward": self.mean_reward,
@@ -61,16 +65,18 @@ class EvalResult(BaseModel):
 
     def summary(self) -> str:
         return (
-            f"{self.policy_version}: {self.accuracy:.1%} ({self.successes}/{self.tasks}, "
+            f"{self.policy_version}: {self.score:.1%} ({self.successes}/{self.tasks}, "
             f"95% CI {self.ci_low:.1%}-{self.ci_high:.1%})"
         )
 
 
-def score(policy_version: str, rollouts: Sequence[Rollout], threshold: float = 1.0) -> EvalResult:
+def score_rollouts(
+    policy_version: str, rollouts: Sequence[Rollout], threshold: float = 1.0
+) -> EvalResult:
     """The score of finished evaluation rollouts."""
     n = len(rollouts)
     rewards = [
-        (r.final_reward or 0.0) if r.status is RolloutStatus.succeeded else 0.0 for r in rollouts
+        (r.episode_return or 0.0) if r.status is RolloutStatus.succeeded else 0.0 for r in rollouts
     ]
     successes = sum(1 for value in rewards if value >= threshold)
     low, high = wilson_interval(successes, n)
@@ -78,7 +84,7 @@ def score(policy_version: str, rollouts: Sequence[Rollout], threshold: float = 1
         policy_version=policy_version,
         tasks=n,
         successes=successes,
-        accuracy=successes / n if n else 0.0,
+        score=successes / n if n else 0.0,
         ci_low=low,
         ci_high=high,
         mean_reward=sum(rewards) / n if n else 0.0,
@@ -121,4 +127,4 @@ async def evaluate(
     ids = [r.rollout_id for r in queued]
     await runner.run_until_done(ids, timeout=timeout)
     finished = await store.query_rollouts(rollout_ids=ids)
-    return score(policy_version, finished, threshold)
+    return score_rollouts(policy_version, finished, threshold)

@@ -452,7 +452,7 @@ class Runner:
             attempt_id=attempt.attempt_id,
             sequence_id=attempt.sequence_id,
             status=status,
-            reward=after.final_reward if after is not None else reward,
+            reward=after.episode_return if after is not None else reward,
             error=error,
             duration_s=time.monotonic() - started,
             rollout=after,

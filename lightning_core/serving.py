@@ -26,6 +26,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """Run in the child before exec: SIGINT it when the process that started it dies, even by
+    SIGKILL (Linux; elsewhere nothing). A policy server outliving a killed flow would keep its
+    store file locked, and a resumed run could not open it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGINT)
+
+
 def serve_command(db: str | Path, port: int, *options: str) -> list[str]:
     return [
         sys.executable,

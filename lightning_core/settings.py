@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import InvalidInput
+from lightning_core.gateway.service import GatewayConfig
 from lightning_core.store.config import StoreConfig
 
+M = TypeVar("M", bound=BaseModel)
 
-class ServeSettings(BaseSettings):
+
+# The store's and the gateway's settings are their own models, inherited whole: their fields
+# (db, attempt_timeout_s, tool_format, ...) with their defaults, constraints and descriptions
+# are ServeSettings fields, read as flags and LIGHTNING_<NAME> like the server's own.
+class ServeSettings(StoreConfig, GatewayConfig, BaseSettings):
     """How `lightning-rl serve` runs; every field can be set as LIGHTNING_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="LIGHTNING_", extra="ignore")
 
     host: str = Field("127.0.0.1", description="Address to bind; loopback unless you set a key.")
     port: int = Field(4747, ge=0, le=65535, description="TCP port (0 picks a free one).")
-    db: str = Field("lightning.duckdb", description="DuckDB file of the store.")
     api_key: SecretStr | None = Field(
         None, description="Bearer token clients must send; required off loopback."
     )
@@ -27,16 +32,6 @@ class ServeSettings(BaseSettings):
         64 * 1024 * 1024,
         gt=0,
         description="Largest request body accepted (64 MiB holds ~10k spans of 5 KB).",
-    )
-    attempt_timeout_s: float | None = Field(
-        StoreConfig.model_fields["attempt_timeout_s"].default,
-        gt=0,
-        description=StoreConfig.model_fields["attempt_timeout_s"].description,
-    )
-    unresponsive_timeout_s: float | None = Field(
-        StoreConfig.model_fields["unresponsive_timeout_s"].default,
-        gt=0,
-        description=StoreConfig.model_fields["unresponsive_timeout_s"].description,
     )
     log_level: str = Field("warning", description="uvicorn log level.")
     backend: Literal["transformers", "vllm", "none"] = Field(
@@ -53,22 +48,24 @@ class ServeSettings(BaseSettings):
     vllm_python: str | None = Field(
         None, description="Python of a vLLM environment to launch the server with."
     )
-    default_max_tokens: int = Field(
-        512, ge=1, description="Completion length when a request sets no max_tokens."
-    )
-    tool_format: Literal["auto", "hermes", "line"] = Field(
-        "auto",
-        description="Tool calling for chat templates without tools: hermes (<tool_call> JSON), "
-        "line (`NAME: input` lines, for very small models) or auto (the template's own, else "
-        "hermes).",
+    # A dict, not the backends' config models: importing TransformersBackendConfig imports
+    # torch, which a store-only server (backend none) should not wait for. The backend's own
+    # config validates these when it is built (backends.create_backend).
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More fields of the backend's config, as a JSON object: "
+        "TransformersBackendConfig (max_batch_size, device, dtype, threads, ...) or "
+        "VLLMBackendConfig (max_model_len, kv_cache_space_gb, max_loras, extra_args, ...).",
     )
 
     def store_config(self) -> StoreConfig:
-        return StoreConfig(
-            db=self.db,
-            attempt_timeout_s=self.attempt_timeout_s,
-            unresponsive_timeout_s=self.unresponsive_timeout_s,
-        )
+        return self._part(StoreConfig)
+
+    def gateway_config(self) -> GatewayConfig:
+        return self._part(GatewayConfig)
+
+    def _part(self, model: type[M]) -> M:
+        return model.model_validate(self.model_dump(include=set(model.model_fields)))
 
     def check_exposure(self) -> None:
         """Refuse to serve the store unauthenticated to anything but this machine."""

@@ -135,7 +135,7 @@ class Rollout(_Model):
     policy_version: str | None = None
     max_attempts: int = 1
     attempt_count: int = Field(0, description="Attempts claimed so far.")
-    final_reward: FiniteFloat | None = None
+    episode_return: FiniteFloat | None = None
     enqueued_at: float
     started_at: float | None = None
     ended_at: float | None = None

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_rl.tasks import progress
-from lightning_rl.tasks.rollouts import make_runner
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from lightning_core.evaluation import EvalResult, evaluate
 from lightning_core.runner import AttemptResult
 from lightning_core.store.client import HttpStoreClient
+from lightning_rl.tasks import progress
+from lightning_rl.tasks.rollouts import make_runner
 
 
 @task(
@@ -32,7 +32,7 @@ async def evaluate_policy(
     success_threshold: float = 1.0,
     run_dir: str | None = None,
 ) -> EvalResult:
-    """Greedy rollouts of every held-out task on `policy_version`; accuracy with its 95 % CI."""
+    """Greedy rollouts of every held-out task on `policy_version`; the score with its 95 % CI."""
 
     def on_attempt(result: AttemptResult) -> None:
         if run_dir is not None:

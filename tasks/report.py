@@ -20,7 +20,7 @@ def artifact_key(*parts: str) -> str:
 def reward_curve(
     history: pd.DataFrame, evals: list[tuple[int, EvalResult]], path: Path, title: str
 ) -> Path:
-    """Training reward and success per iteration, held-out accuracy (with its 95 % CI) at
+    """Training reward and success per iteration, held-out score (with its 95 % CI) at
     each evaluation, in one PNG."""
     import matplotlib
 
@@ -37,11 +37,11 @@ def reward_curve(
             ax.plot(history["iteration"], success, "s--", label="train success")
     if evals:
         xs = [i for i, _ in evals]
-        ys = [e.accuracy for _, e in evals]
+        ys = [e.score for _, e in evals]
         # max(0, ...): the interval's ends carry float error around accuracies of 0 and 1.
-        low = [max(0.0, e.accuracy - e.ci_low) for _, e in evals]
-        high = [max(0.0, e.ci_high - e.accuracy) for _, e in evals]
-        ax.errorbar(xs, ys, yerr=[low, high], fmt="D-", capsize=4, label="held-out accuracy")
+        low = [max(0.0, e.score - e.ci_low) for _, e in evals]
+        high = [max(0.0, e.ci_high - e.score) for _, e in evals]
+        ax.errorbar(xs, ys, yerr=[low, high], fmt="D-", capsize=4, label="held-out score")
     ax.set_xlabel("iteration")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
@@ -57,7 +57,9 @@ def reward_curve(
 def _table(frame: pd.DataFrame, columns: list[str]) -> str:
     shown = [c for c in columns if c in frame.columns]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    for _, row in frame.iterrows():
+    # Row by row as records, not iterrows: iterrows makes each row one dtype, and the integer
+    # iteration column came out as `1.000`.
+    for row in frame[shown].to_dict("records"):
         cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in shown]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -75,14 +77,14 @@ def markdown(
     parts = [f"# {title}", ""]
     if evals:
         base, final = evals[0][1], evals[-1][1]
-        gain = (final.accuracy - base.accuracy) * 100
+        gain = (final.score - base.score) * 100
         parts += [
-            "## Held-out accuracy (greedy)",
+            "## Held-out score (greedy)",
             "",
-            "| iteration | policy | accuracy | 95 % CI | tasks |",
+            "| iteration | policy | score | 95 % CI | tasks |",
             "|---|---|---|---|---|",
             *(
-                f"| {i} | {e.policy_version} | {e.accuracy:.1%} | "
+                f"| {i} | {e.policy_version} | {e.score:.1%} | "
                 f"{e.ci_low:.1%} - {e.ci_high:.1%} | {e.tasks} |"
                 for i, e in evals
             ),

@@ -7,7 +7,6 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_rl.tasks import progress
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -17,6 +16,7 @@ from lightning_core.collect import Collected, CreditConfig, collect
 from lightning_core.runner import AttemptResult, Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest
+from lightning_rl.tasks import progress
 
 
 def make_runner(

@@ -53,7 +53,9 @@ def policy_server(
         options += ["--vllm-url", vllm_url]
     # The first start on a fresh machine converts the default model (about 20 s) and, for
     # vLLM, may build its environment: minutes, hence the generous timeout.
-    proc = serving.start_serve(db, port, *options, timeout=start_timeout_s)
+    proc = serving.start_serve(
+        db, port, *options, timeout=start_timeout_s, preexec_fn=serving.die_with_parent
+    )
     try:
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import shutil
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
+from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.errors import Conflict
 from lightning_core.store.client import HttpStoreClient
@@ -50,16 +55,57 @@ def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d[k] for d in dicts) / len(dicts) for k in keys}
 
 
+# The trainer that saved the newest adapter, kept so the next iteration need not load the base
+# model again. Keyed by that adapter folder and the trainer's config: a task given another
+# folder (a resumed run, another run) loads that one from disk instead. Either way the trainer
+# holds the saved weights, optimizer state and RNG state, so both give the same update.
+_live: dict[tuple[str, str], tuple[LoRATrainer, torch.Tensor]] = {}
+_live_lock = threading.Lock()
+
+
+def _trainer(config: TrainerConfig, previous: str | None) -> LoRATrainer:
+    """The trainer to continue from adapter folder `previous` (None: a new adapter)."""
+    if previous is None:
+        return LoRATrainer(config)
+    key = (str(Path(previous).resolve()), config.model_dump_json())
+    with _live_lock:
+        live = _live.pop(key, None)
+    if live is None:
+        return LoRATrainer(config, adapter=previous)
+    trainer, rng = live
+    torch.set_rng_state(rng)  # as a trainer loaded from the folder would be
+    return trainer
+
+
+def _save(trainer: LoRATrainer, adapter_dir: str) -> None:
+    """Save into `adapter_dir` whole: written aside, then renamed over what a redone
+    iteration left there."""
+    final = Path(adapter_dir).resolve()
+    staging = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    trainer.save(staging)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    config = trainer.config.model_dump_json()
+    with _live_lock:
+        # One live trainer per config (per agent's adapter): the newest.
+        for key in [k for k in _live if k[1] == config]:
+            del _live[key]
+        _live[(str(final), config)] = (trainer, torch.get_rng_state())
+
+
 # No retries: an update that failed after its optimizer step would be applied twice.
 @task(name="train-policy", timeout_seconds=6 * 3600, tags=["gpu"], cache_policy=NO_CACHE)
 def train_policy(
-    trainer: LoRATrainer,
+    trainer_config: TrainerConfig,
     transitions: list[Transition],
+    previous_adapter: str | None,
     adapter_dir: str,
     updates: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """`updates` policy-gradient steps on the transitions that carry a signal; save the adapter.
+    """Continue the adapter in `previous_adapter` (None: a new one) with `updates`
+    policy-gradient steps on the transitions that carry a signal; save it to `adapter_dir`.
 
     Transitions whose advantage is 0 (every rollout of their group got the same reward) add
     nothing to the gradient but their compute, so they are left out.
@@ -70,33 +116,46 @@ def train_policy(
         "train/skipped_transitions": float(len(transitions) - len(batch)),
     }
     with concurrency(GPU_LIMIT, occupy=1, strict=True):
+        trainer = _trainer(trainer_config, previous_adapter)
         if batch:
             random.Random(seed).shuffle(batch)
             parts = max(1, min(updates, len(batch)))
             steps = [trainer.step(batch[i::parts]) for i in range(parts)]
             metrics |= _mean(steps)
-        trainer.save(adapter_dir)
+        _save(trainer, adapter_dir)
     return metrics
 
 
+def agent_trainer_configs(config: TrainerConfig, agents: Sequence[str]) -> dict[str, TrainerConfig]:
+    """One trainer config per agent; each adapter starts from its own seed, so they are
+    independent from step 0."""
+    return {
+        name: config.model_copy(update={"seed": config.seed + i}) for i, name in enumerate(agents)
+    }
+
+
 def train_agent_policies(
-    trainers: Mapping[str, LoRATrainer],
+    trainer_configs: Mapping[str, TrainerConfig],
     transitions: Sequence[Transition],
+    previous_policy_dir: str | None,
     policy_dir: str,
     updates: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
     """One train-policy run per agent, on that agent's transitions only (so an agent's update
-    leaves the others' adapters as they were), saved to `<policy_dir>/<agent>/`.
+    leaves the others' adapters as they were), from `<previous_policy_dir>/<agent>/` to
+    `<policy_dir>/<agent>/`.
 
     Metrics are per agent (`train/<agent>/loss`), plus `train/transitions` and
     `train/skipped_transitions` summed over the agents.
     """
     metrics: dict[str, Any] = {"train/transitions": 0.0, "train/skipped_transitions": 0.0}
-    for name, trainer in trainers.items():
+    Path(policy_dir).mkdir(parents=True, exist_ok=True)
+    for name, config in trainer_configs.items():
         own = [t for t in transitions if t.agent_name == name]
+        previous = str(Path(previous_policy_dir) / name) if previous_policy_dir else None
         trained = train_policy.with_options(task_run_name=f"train-policy-{name}")(
-            trainer, own, str(Path(policy_dir) / name), updates, seed
+            config, own, previous, str(Path(policy_dir) / name), updates, seed
         )
         for key in ("train/transitions", "train/skipped_transitions"):
             metrics[key] += trained[key]

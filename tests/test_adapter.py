@@ -86,7 +86,7 @@ def test_n_choices_are_separate_transitions():
 
 
 def test_rollout_final_reward_is_used_without_reward_spans():
-    rollout = Rollout(rollout_id="ro-1", input=None, enqueued_at=0.0, final_reward=0.5)
+    rollout = Rollout(rollout_id="ro-1", input=None, enqueued_at=0.0, episode_return=0.5)
     assert [t.reward for t in spans_to_transitions([call([1], [2])], rollout)] == [0.5]
     assert spans_to_transitions([reward(1.0)]) == []
 

@@ -4,9 +4,6 @@ the gateway (SmolLM2, line tool format) under the real Runner."""
 from __future__ import annotations
 
 import pytest
-from lightning_rl.agents.calc import load_tasks
-from lightning_rl.agents.calc.calculator import CalculatorError, evaluate, format_number
-from lightning_rl.agents.calc.reward import answer_reward, extract_answer
 
 from lightning_core import semconv
 from lightning_core.adapter import AdapterConfig, spans_to_transitions
@@ -15,6 +12,9 @@ from lightning_core.rewards import AIRRule
 from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, RolloutStatus
+from lightning_rl.agents.calc import load_tasks
+from lightning_rl.agents.calc.calculator import CalculatorError, evaluate, format_number
+from lightning_rl.agents.calc.reward import answer_reward, extract_answer
 from tests.conftest import gateway_server
 
 # --- calculator -------------------------------------------------------------------------------
@@ -154,6 +154,6 @@ async def test_calc_agent_runs_through_the_gateway_with_its_tool(smollm2_server)
         assert [t.agent_name for t in transitions] == ["calc"] * len(calls)
         final_text = calls[-1].attributes["gen_ai.output.messages"]
         expected = answer_reward(final_text.replace('\\"', '"'), 42)
-        assert rollout.final_reward == expected
+        assert rollout.episode_return == expected
         tool_bonus = 0.1 * sum(1 for s in tools if s.attributes[semconv.TOOL_SUCCESS])
         assert sum(t.reward for t in transitions) == pytest.approx(expected + tool_bonus)

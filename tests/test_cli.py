@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +21,7 @@ from tests.test_durability import start_server
 def cli(*args: str) -> subprocess.CompletedProcess:
     # No LIGHTNING_* settings leak in from the environment running the tests.
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
+    env["COLUMNS"] = "200"  # rich cuts long option names in help at 80 columns
     return subprocess.run(
         [sys.executable, "-m", "lightning_rl.flows.cli", *args],
         capture_output=True,
@@ -62,6 +65,76 @@ def test_train_takes_the_agent_from_a_config_file_unless_a_flag_names_one(tmp_pa
     assert "unknown agent 'nope-from-file'" in result.stderr
     flagged = cli("train", "--config", str(config), "--agent", "nope-flag")
     assert "unknown agent 'nope-flag'" in flagged.stderr
+
+
+def test_train_resume_of_a_run_that_is_not_there_says_so(tmp_path):
+    result = cli("train", "--resume", "gone", "--run-dir", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "cannot resume gone" in result.stderr and "config.json" in result.stderr
+
+
+def test_train_help_lists_every_setting_with_its_description():
+    from lightning_rl.flows.config import TrainConfig
+
+    result = cli("train", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # rich wraps the help across lines and boxes
+    for name in TrainConfig.model_fields:
+        assert f"--{name.replace('_', '-')}" in text, name
+    for flag in ("--train-agent", "--no-policy-per-agent", "--config", "--resume", "--quiet"):
+        assert flag in text
+    assert "Training iterations." in text
+
+
+def test_eval_takes_the_policy_and_still_understands_model():
+    assert "--policy" in cli("eval", "--help").stdout
+    result = cli("eval", "--agent", "nope", "--model", "champion")
+    assert "eval's --model is now --policy" in result.stderr
+    assert result.returncode == 2 and "unknown agent 'nope'" in result.stderr
+
+
+READ_LOGS = """
+import asyncio, json
+from prefect.client.orchestration import get_client
+
+async def main():
+    async with get_client() as client:
+        print(json.dumps([[log.level, log.message] for log in await client.read_logs()]))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_cli_runs_info_logs_reach_prefect_but_not_the_terminal(tmp_path):
+    # A Prefect database of this test's own, which the CLI's temporary server writes to and
+    # the one started to read the logs back reads.
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_", "PREFECT_"))},
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+    }
+    args = ["eval", "--policy", "base", "--base-model", "tiny", "--eval-size", "2"]
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_rl.flows.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,  # the flow's runs/ folder
+    )
+    assert run.returncode == 0, run.stderr
+    assert "held-out" not in run.stderr and "Beginning flow run" not in run.stderr
+    read = subprocess.run(
+        [sys.executable, "-c", READ_LOGS], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert read.returncode == 0, read.stderr
+    logs = json.loads(read.stdout.strip().splitlines()[-1])
+    info = [message for level, message in logs if level == logging.INFO]
+    assert any(message.startswith("held-out: ") for message in info), logs
+    assert any(message.startswith("Beginning flow run") for message in info), logs
 
 
 def test_status_counts_rollouts_of_a_running_server(tmp_path):
@@ -108,6 +181,55 @@ def test_serve_with_an_unloadable_model_says_why(tmp_path):
     result = cli("serve", "--db", str(tmp_path / "s.duckdb"), "--model", str(tmp_path))
     assert result.returncode == 2
     assert "no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_settings_are_the_stores_and_the_gateways_read_from_the_environment(monkeypatch):
+    from lightning_core.gateway.service import GatewayConfig
+    from lightning_core.settings import ServeSettings
+    from lightning_core.store.config import StoreConfig
+
+    for name, value in {
+        "DB": "env.duckdb",
+        "ATTEMPT_TIMEOUT_S": "12",
+        "DUCKDB_THREADS": "2",
+        "TOOL_FORMAT": "line",
+        "BACKEND_OPTIONS": '{"max_batch_size": 8}',
+    }.items():
+        monkeypatch.setenv(f"LIGHTNING_{name}", value)
+    settings = ServeSettings(port=5000, default_max_tokens=64)
+    assert settings.store_config() == StoreConfig(
+        db="env.duckdb", attempt_timeout_s=12, duckdb_threads=2
+    )
+    assert settings.gateway_config() == GatewayConfig(tool_format="line", default_max_tokens=64)
+    assert settings.backend_options == {"max_batch_size": 8} and settings.port == 5000
+    # Declared once: the store's and the gateway's fields, with their defaults and descriptions.
+    for model in (StoreConfig, GatewayConfig):
+        for name, field in model.model_fields.items():
+            assert repr(ServeSettings.model_fields[name]) == repr(field), name
+
+
+def test_create_backend_passes_the_backends_own_options_through():
+    from lightning_core.backends import create_backend
+    from lightning_core.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="no option 'max_batch'"):
+        create_backend("transformers", "tiny", options={"max_batch": 3})
+    backend = create_backend(
+        "transformers", "tiny", options={"max_batch_size": 3, "served_model_name": "t"}
+    )
+    try:
+        assert backend.config.max_batch_size == 3 and backend.base_model == "t"
+        assert backend.config.model == "tiny"
+    finally:
+        asyncio.run(backend.close())
+
+
+def test_serve_refuses_an_option_its_backend_does_not_have(tmp_path):
+    result = cli(
+        "serve", "--db", str(tmp_path / "s.duckdb"), "--backend-options", '{"max_batch": 3}'
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no option 'max_batch'" in result.stderr
 
 
 def test_serve_runs_the_gateway_with_a_model(tmp_path):

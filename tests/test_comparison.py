@@ -15,7 +15,7 @@ def _result(rewards: dict[str, float]) -> EvalResult:
         policy_version="p",
         tasks=len(rewards),
         successes=solved,
-        accuracy=solved / len(rewards),
+        score=solved / len(rewards),
         ci_low=0,
         ci_high=1,
         mean_reward=sum(rewards.values()) / len(rewards),

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from lightning_rl.flows.train import train
-from lightning_rl.tasks import registry
 from prefect.testing.utilities import prefect_test_harness
 
 from lightning_core.curriculum import CurriculumConfig
+from lightning_rl.flows.train import train
+from lightning_rl.registry.config import RegistryConfig
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
             run_dir=str(root / "runs"),
             run_name="cur",
             curriculum=CurriculumConfig(max_rounds=3, floor=0.1, smoothing=1.0),
-            registry_config=registry.RegistryConfig(
+            registry=RegistryConfig(
                 tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="cur-test"
             ),
         )

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.tasks.profiles import profile
 

@@ -98,7 +98,7 @@ def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> N
             "rollout_concurrency": 2,
             "run_dir": str(tmp_path / "runs"),
             "run_name": "deployed",
-            "registry_config": {
+            "registry": {
                 "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
                 "registered_model": "deployed-calc",
             },

@@ -68,14 +68,14 @@ async def test_acknowledged_writes_survive_sigkill(tmp_path):
         assert acked["enqueued"] <= set(rollouts)
         for rollout_id in acked["completed"]:
             assert rollouts[rollout_id].status is RolloutStatus.succeeded
-            assert rollouts[rollout_id].final_reward == 1.5
+            assert rollouts[rollout_id].episode_return == 1.5
         stored = await client.query_spans(sorted(rollouts))
         assert acked["spans"] <= {s.span_id for s in stored}
         # The restarted store keeps working on the same file.
         await client.enqueue_rollouts([RolloutRequest(input="after restart")])
         claim = await client.dequeue("after")
         await client.complete_attempt(claim.attempt.attempt_id, 1.0)
-        assert (await client.get_rollout(claim.rollout.rollout_id)).final_reward == 1.0
+        assert (await client.get_rollout(claim.rollout.rollout_id)).episode_return == 1.0
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=30)

@@ -9,14 +9,16 @@ from pathlib import Path
 import duckdb
 import httpx
 import pytest
-from lightning_rl.flows.train import train
-from lightning_rl.tasks import registry
-from lightning_rl.tasks.rollouts import rollout_seed
 from mlflow import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
 from lightning_core import analytics, serving
+from lightning_rl.flows.train import train
+from lightning_rl.registry.config import RegistryConfig
+from lightning_rl.registry.promotion import PromotionDecision
+from lightning_rl.registry.versions import register_policy_version
+from lightning_rl.tasks.rollouts import rollout_seed
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,9 +31,9 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="module")
-def trained(prefect_harness, tmp_path_factory):
+def trained_state(prefect_harness, tmp_path_factory):
     root = tmp_path_factory.mktemp("flow")
-    config = registry.RegistryConfig(
+    config = RegistryConfig(
         tracking_uri=f"sqlite:///{root}/mlflow.db",
         registered_model="flow-test",
         promotion_threshold=0.0,
@@ -51,11 +53,69 @@ def trained(prefect_harness, tmp_path_factory):
         rollout_concurrency=3,
         run_dir=str(root / "runs"),
         run_name="e2e",
-        registry_config=config,
+        registry=config,
         return_state=True,
     )
     assert state.is_completed(), state.message
-    return state.result(), config, root / "runs" / "e2e"
+    return state, config, root / "runs" / "e2e"
+
+
+@pytest.fixture(scope="module")
+def trained(trained_state):
+    state, config, run = trained_state
+    return state.result(), config, run
+
+
+def test_each_iteration_is_a_subflow_run_with_its_tasks_and_the_run_has_a_progress_bar(
+    trained_state,
+):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
+
+    state, _, _ = trained_state
+    parent = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])
+            )
+        )
+        assert sorted(r.name for r in children) == ["iteration-1", "iteration-2"]
+        for child in children:
+            assert child.state.is_completed()
+            tasks = client.read_task_runs(
+                task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[child.id]))
+            )
+            # Task run names are the task's name and a short suffix.
+            names = {r.name.rsplit("-", 1)[0] for r in tasks}
+            for stage in (
+                "plan-rollouts",
+                "run-rollouts",
+                "collect-transitions",
+                "analyze-iteration",
+                "train-policy",
+                "publish-policy",
+                "evaluate-policy",
+            ):
+                assert stage in names, (child.name, sorted(names))
+        # The parent's own task runs are only what comes before and after the iterations.
+        own = client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[parent]))
+        )
+        assert not any(r.name.startswith("run-rollouts") for r in own)
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[parent]))
+        )
+    bars = [a for a in artifacts if a.type == "progress"]
+    assert len(bars) == 1 and float(bars[0].data) == 100.0
+    assert bars[0].key.endswith("training-progress")
 
 
 def test_transitions_are_stored_with_rewards_and_advantages(trained):
@@ -124,7 +184,7 @@ def test_mlflow_run_metrics_and_challenger(trained):
     client = MlflowClient(config.tracking_uri)
     history = client.get_metric_history(summary["mlflow_run_id"], "rollout/reward_mean")
     assert sorted(m.step for m in history) == [1, 2]
-    evals = client.get_metric_history(summary["mlflow_run_id"], "eval/accuracy")
+    evals = client.get_metric_history(summary["mlflow_run_id"], "eval/score")
     assert sorted(m.step for m in evals) == [0, 1, 2]
     challenger = client.get_model_version_by_alias("flow-test", "challenger")
     assert challenger.tags["policy_version"] == "e2e-v2"
@@ -138,10 +198,10 @@ def test_mlflow_run_metrics_and_challenger(trained):
 def test_promotion_rule_on_the_registry(trained):
     summary, config, run = trained
     adapter = run / "adapters" / "v2"
-    champion_score = summary["final"]["accuracy"]
+    champion_score = summary["final"]["score"]
 
-    def register(score: float) -> registry.PromotionDecision:
-        return registry.publish_adapter(
+    def register(score: float) -> PromotionDecision:
+        return register_policy_version(
             config,
             adapter,
             base_model="tiny",
@@ -187,14 +247,14 @@ def test_evaluate_flow_scores_the_champion(trained, tmp_path):
         model="tiny",
         concurrency=4,
         run_dir=str(tmp_path),
-        registry_config=config,
+        registry=config,
     )
     client = MlflowClient(config.tracking_uri)
     champion = client.get_model_version_by_alias("flow-test", "champion")
     assert result["version"] == str(champion.version)
-    assert result["tasks"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+    assert result["tasks"] == 4 and 0.0 <= result["score"] <= 1.0
     runs = client.search_runs(
         [client.get_experiment_by_name(config.experiment).experiment_id],
         filter_string="tags.kind = 'evaluation'",
     )
-    assert runs and runs[0].data.metrics["eval/accuracy"] == result["accuracy"]
+    assert runs and runs[0].data.metrics["eval/score"] == result["score"]

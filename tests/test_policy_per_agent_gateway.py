@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 import torch
-from lightning_rl.tasks.training import publish_policy
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -23,6 +22,7 @@ from lightning_core.errors import Conflict
 from lightning_core.gateway.service import Gateway
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import PolicyVersion
+from lightning_rl.tasks.training import publish_policy
 from tests.conftest import ThreadedServer
 from tests.models import scaled_tiny_model
 

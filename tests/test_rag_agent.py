@@ -15,6 +15,13 @@ from typing import Any
 
 import pytest
 from countryinfo import CountryInfo
+
+from lightning_core import semconv
+from lightning_core.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.models import DEFAULT_MODEL
+from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from lightning_rl.agents.rag import load_tasks
 from lightning_rl.agents.rag.agent import MAX_TURNS, model_settings, solve
 from lightning_rl.agents.rag.corpus import by_name, countries, documents
@@ -23,13 +30,6 @@ from lightning_rl.agents.rag.examples import examples_for
 from lightning_rl.agents.rag.languages import LANGUAGE_NAMES
 from lightning_rl.agents.rag.retrieval import MAX_DOC_CHARS, ranked, search
 from lightning_rl.agents.rag.reward import answer_reward, extract_answer, f1_score
-
-from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
-from lightning_core.models import DEFAULT_MODEL
-from lightning_core.runner import Runner, RunnerConfig
-from lightning_core.store.client import HttpStoreClient
-from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from tests.conftest import ThreadedServer, gateway_server
 from tests.rag_scripted import ANSWER, scripted_endpoint
 
@@ -373,8 +373,8 @@ async def test_rag_agent_runs_through_the_gateway_offline(smollm2_server, monkey
         assert [t.agent_name for t in transitions] == ["rag"] * len(calls)
         final = _final_text(calls[-1])
         expected = 0.0 if final is None else answer_reward(final, task["answer"])
-        assert rollout.final_reward == pytest.approx(expected)
-    assert done[0].final_reward == pytest.approx(1.0)  # "ANSWER: Tokyo"
+        assert rollout.episode_return == pytest.approx(expected)
+    assert done[0].episode_return == pytest.approx(1.0)  # "ANSWER: Tokyo"
 
 
 async def test_rag_agent_runs_on_the_tiny_model():
@@ -401,4 +401,4 @@ async def test_rag_agent_runs_on_the_tiny_model():
     assert calls and [t.agent_name for t in transitions] == ["rag"] * len(calls)
     final = _final_text(calls[-1])
     expected = 0.0 if final is None else answer_reward(final, task["answer"])
-    assert done.final_reward == pytest.approx(expected)
+    assert done.episode_return == pytest.approx(expected)

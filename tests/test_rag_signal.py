@@ -7,12 +7,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from lightning_rl.agents.rag import load_tasks
-from lightning_rl.agents.rag.agent import MAX_TURNS
-from lightning_rl.agents.rag.examples import EXAMPLES, examples_for, nearest
-from lightning_rl.agents.rag.reward import FORMAT_WEIGHT, normalize_answer
-from lightning_rl.agents.rag.tool import NO_MATCH, results_text, tool_output
-from lightning_rl.tasks.profiles import PROFILES
 
 from lightning_core import semconv
 from lightning_core.app import create_app
@@ -22,6 +16,12 @@ from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import RolloutRequest, RolloutStatus
+from lightning_rl.agents.rag import load_tasks
+from lightning_rl.agents.rag.agent import MAX_TURNS
+from lightning_rl.agents.rag.examples import EXAMPLES, examples_for, nearest
+from lightning_rl.agents.rag.reward import FORMAT_WEIGHT, normalize_answer
+from lightning_rl.agents.rag.tool import NO_MATCH, results_text, tool_output
+from lightning_rl.tasks.profiles import PROFILES
 from tests.conftest import ThreadedServer
 from tests.rag_scripted import scripted_endpoint
 
@@ -146,7 +146,7 @@ async def test_air_rewards_new_documents_and_costs_repeats_and_misses():
             spans = await client.query_spans(ids, "latest")
     assert [r.status for r in done] == [RolloutStatus.succeeded] * 2
     # The scripted model answers Paris after its searches: right for France, format for Japan.
-    assert [r.final_reward for r in done] == [1.0, pytest.approx(FORMAT_WEIGHT)]
+    assert [r.episode_return for r in done] == [1.0, pytest.approx(FORMAT_WEIGHT)]
     rules = PROFILES["rag"].air
     for rollout, expected in zip(done, ([0.02, -0.05, -0.05], [0.02, -0.05]), strict=True):
         tools = sorted(

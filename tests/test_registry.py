@@ -1,4 +1,6 @@
-"""The MLflow registry with gated promotion: the pure gate, then real MLflow on a SQLite file."""
+"""The MLflow registry on a real SQLite file: run tracking, registering adapters as versions,
+gated promotion (the rule itself: tests/test_promotion.py), events, lookups, and registering
+again from the same run (a resumed or retried flow) without a second version."""
 
 from __future__ import annotations
 
@@ -7,52 +9,27 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from lightning_rl.tasks import registry
-from lightning_rl.tasks.registry import (
-    CHALLENGER,
-    CHAMPION,
-    PROMOTED_EVENT,
-    RegistryConfig,
-    champion_adapter,
-    decide_promotion,
-    log_metrics,
-    log_params,
-    promote,
-    publish_adapter,
-    register_adapter,
-    tracking,
-)
 from mlflow import MlflowClient
 from prefect.events.clients import AssertingEventsClient
 from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Failed
 
 from lightning_core.errors import InvalidInput
-
-
-@pytest.mark.parametrize(
-    ("challenger", "champion", "promote_it"),
-    [
-        (0.5, None, True),  # no champion, above the threshold
-        (0.3, None, True),  # no champion, exactly at the threshold
-        (0.2, None, False),  # no champion, below the threshold
-        (0.75, 0.70, True),  # gain above the margin
-        (0.72, 0.70, True),  # gain of exactly the margin, despite 0.72 - 0.70 < 0.02 in floats
-        (0.71, 0.70, False),  # gain below the margin
-        (0.60, 0.70, False),  # worse
-    ],
+from lightning_rl.registry import events as registry_events
+from lightning_rl.registry import versions
+from lightning_rl.registry.config import RegistryConfig, resolve
+from lightning_rl.registry.events import PROMOTED_EVENT
+from lightning_rl.registry.names import CHALLENGER, CHAMPION, TAG_DECISION
+from lightning_rl.registry.promotion import PromotionDecision
+from lightning_rl.registry.runs import log_metrics, log_metrics_once, log_params, tracking
+from lightning_rl.registry.versions import (
+    champion_adapter,
+    promote,
+    register_adapter,
+    register_policy_version,
 )
-def test_decide_promotion(challenger, champion, promote_it):
-    decision = decide_promotion(challenger, champion, margin=0.02, threshold=0.3)
-    assert decision.promote is promote_it
-    assert decision.challenger_score == challenger
-    assert decision.champion_score == champion
-    assert str(challenger) in decision.reason
-
-
-def test_decide_promotion_refuses_a_missing_score():
-    with pytest.raises(InvalidInput, match="nan"):
-        decide_promotion(float("nan"), 0.5, margin=0.02, threshold=0.0)
+from lightning_rl.tasks.registry import _transient
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +98,32 @@ def test_tracking_logs_flattened_params_and_metrics_by_step(config):
     assert finished.info.artifact_uri.startswith((config_dir(config) / "mlartifacts").as_uri())
 
 
+def test_a_resumed_run_logs_each_step_once(config):
+    with tracking(config, run_name="killed") as run:
+        log_metrics_once({"train/loss": 1.0, "eval/score": 0.1}, step=1)
+    # Resumed: step 1 is repeated (not checkpointed), then step 2 is new.
+    with tracking(config, run_id=run.info.run_id):
+        logged = log_metrics_once({"train/loss": 0.9, "eval/score": 0.2, "new": 1.0}, step=1)
+        assert logged == {"new": 1.0}
+        assert log_metrics_once({"train/loss": 0.8, "eval/score": None}, step=2) == {
+            "train/loss": 0.8
+        }
+    client = MlflowClient(config.tracking_uri)
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 0.8)]
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+
+
+def test_resolve_fills_in_the_agents_registered_model():
+    assert resolve(None, "lightning-calc").registered_model == "lightning-calc"
+    unnamed = RegistryConfig(registered_model="", promotion_margin=0.1)
+    assert resolve(unnamed, "lightning-calc") == unnamed.model_copy(
+        update={"registered_model": "lightning-calc"}
+    )
+    named = RegistryConfig(registered_model="mine")
+    assert resolve(named, "lightning-calc") is named
+
+
 def config_dir(config: RegistryConfig) -> Path:
     return Path(config.tracking_uri.removeprefix("sqlite:///")).parent
 
@@ -143,19 +146,19 @@ def test_gated_promotion_moves_the_champion_only_on_a_real_gain(config, adapter,
 
     with tracking(config, run_name="train") as run:
         log_metrics({"eval/score": 0.5}, step=1)
-        first = publish_adapter(
+        first = register_policy_version(
             config, adapter, base_model="tiny", policy_version="v1", iteration=1, score=0.5
         )
         assert first.promote and first.champion_score is None and first.champion_version is None
         assert aliases() == ("1", "1")
 
-        second = publish_adapter(
+        second = register_policy_version(
             config, adapter, base_model="tiny", policy_version="v2", iteration=2, score=0.6
         )
         assert second.promote and second.champion_score == 0.5 and second.champion_version == "1"
         assert aliases() == ("2", "2")
 
-        third = publish_adapter(
+        third = register_policy_version(
             config, adapter, base_model="tiny", policy_version="v3", iteration=3, score=0.55
         )
         assert not third.promote and third.champion_score == 0.6
@@ -226,8 +229,8 @@ def test_a_failing_event_does_not_fail_the_promotion(config, adapter, monkeypatc
         raise RuntimeError("events server down")
 
     monkeypatch.setattr("prefect.events.emit_event", broken)
-    monkeypatch.setattr(registry, "_should_emit_events", lambda: True)
-    decision = publish_adapter(
+    monkeypatch.setattr(registry_events, "_should_emit_events", lambda: True)
+    decision = register_policy_version(
         config, adapter, base_model="tiny", policy_version="v1", iteration=1, score=0.9
     )
     assert decision.promote
@@ -241,3 +244,93 @@ def test_register_refuses_a_folder_that_is_no_adapter(config, tmp_path):
         register_adapter(
             config, tmp_path, base_model="tiny", policy_version="v1", iteration=0, score=1.0
         )
+
+
+def versions_of(config: RegistryConfig) -> list[str]:
+    client = MlflowClient(config.tracking_uri)
+    found = client.search_model_versions(f"name = '{config.registered_model}'")
+    return sorted(str(v.version) for v in found)
+
+
+def test_registering_again_from_the_same_run_returns_the_first_decision(config, adapter, events):
+    def register(policy_version: str, run_id: str | None = None) -> PromotionDecision:
+        return register_policy_version(
+            config,
+            adapter,
+            base_model="tiny",
+            policy_version=policy_version,
+            iteration=1,
+            score=0.5,
+            run_id=run_id,
+        )
+
+    with tracking(config, run_name="train") as run:
+        first = register("v1")
+    assert first.promote and first.challenger_version == "1"
+
+    # The flow run is resumed after a crash: same MLflow run, the same policy version again.
+    with tracking(config, run_id=run.info.run_id) as resumed:
+        assert resumed.info.run_id == run.info.run_id
+        assert register("v1") == first
+    # From a task's thread, where the run is named rather than active.
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(register, "v1", run.info.run_id).result() == first
+    assert versions_of(config) == ["1"]
+    assert len(events()) == 1  # decided and announced once
+
+    # Another policy version of the run is a version of its own: one whose name no filter can
+    # quote (both quote characters) is still told apart from the others.
+    odd = """it's "v2\""""
+    with tracking(config, run_id=run.info.run_id):
+        assert register(odd).challenger_version == "2"
+        assert register(odd).challenger_version == "2"
+    # And so is the same policy version from another run.
+    with tracking(config, run_name="another") as other:
+        again = register("v1")
+    assert again.challenger_version == "3" and not again.promote
+    assert versions_of(config) == ["1", "2", "3"]
+    client = MlflowClient(config.tracking_uri)
+    assert str(client.get_model_version(config.registered_model, "3").run_id) == other.info.run_id
+    assert str(client.get_model_version_by_alias(config.registered_model, CHAMPION).version) == "1"
+
+
+def test_registering_again_finishes_a_registration_cut_short(config, adapter, monkeypatch):
+    client = MlflowClient(config.tracking_uri)
+    name = config.registered_model
+    first = dict(base_model="tiny", policy_version="v1", iteration=1, score=0.5)
+    second = dict(base_model="tiny", policy_version="v2", iteration=2, score=0.9)
+
+    with tracking(config) as run:
+        # Cut short after registering, before the promotion: no decision on the version yet.
+        registered = register_adapter(config, adapter, **first)
+        assert TAG_DECISION not in client.get_model_version(name, "1").tags
+        decision = register_policy_version(config, adapter, **first)
+    assert decision.promote and decision.challenger_version == str(registered.version) == "1"
+    assert versions_of(config) == ["1"]
+
+    # Cut short between recording a promotion and moving the alias.
+    def killed(*_):
+        raise ConnectionError("killed")
+
+    with tracking(config, run_id=run.info.run_id):
+        with monkeypatch.context() as patch:
+            patch.setattr(versions, "_move_champion", killed)
+            with pytest.raises(ConnectionError):
+                register_policy_version(config, adapter, **second)
+        assert client.get_model_version(name, "2").tags[TAG_DECISION] == "promoted"
+        assert str(client.get_model_version_by_alias(name, CHAMPION).version) == "1"
+
+        resumed = register_policy_version(config, adapter, **second)
+    assert resumed.promote and (resumed.challenger_version, resumed.champion_version) == ("2", "1")
+    assert str(client.get_model_version_by_alias(name, CHAMPION).version) == "2"
+    assert versions_of(config) == ["1", "2"]
+    # Once moved, a further repeat leaves the champion be.
+    with tracking(config, run_id=run.info.run_id):
+        assert register_policy_version(config, adapter, **second) == resumed
+    assert str(client.get_model_version_by_alias(name, CHAMPION).version) == "2"
+
+
+def test_the_register_task_retries_all_but_invalid_input():
+    assert not _transient(None, None, Failed(data=InvalidInput("no adapter_config.json")))
+    assert _transient(None, None, Failed(data=ConnectionError("tracking server down")))
+    assert _transient(None, None, Failed(data=TimeoutError("timed out after 900 s")))

@@ -55,16 +55,16 @@ async def test_sync_and_async_agents_succeed_with_their_rewards(make_store):
     done = await _runner(runner_agents.emitting_agent, store).run_until_done(
         [emitted[0].rollout_id], timeout=30
     )
-    assert [r.final_reward for r in done] == [0.75]
+    assert [r.episode_return for r in done] == [0.75]
 
     by_id = {r.rollout_id: r for r in await store.query_rollouts()}
-    assert [by_id[r.rollout_id].final_reward for r in returned] == [0.5, 2.0]
+    assert [by_id[r.rollout_id].episode_return for r in returned] == [0.5, 2.0]
     assert all(r.status is RolloutStatus.succeeded for r in by_id.values())
     for rollout in [*returned, *emitted]:
         spans = await store.query_spans([rollout.rollout_id])
         rewards = [s for s in spans if s.name == semconv.REWARD_SPAN]
         assert [r.attributes[semconv.REWARD_VALUE] for r in rewards] == [
-            by_id[rollout.rollout_id].final_reward
+            by_id[rollout.rollout_id].episode_return
         ]
 
     # Each attempt's endpoint is the gateway under the attempt's prefix, with the rollout's model.
@@ -280,7 +280,7 @@ def test_the_runner_command_works_a_served_queue(tmp_path):
     finally:
         stop_serve(server)
     by_id = {r.rollout_id: r for r in rollouts}
-    assert [by_id[i].final_reward for i in ids] == [0.0, 1.0, 2.0]
+    assert [by_id[i].episode_return for i in ids] == [0.0, 1.0, 2.0]
     names = sorted(s.name for s in spans)
     assert names == sorted([semconv.TOOL_SPAN, semconv.REWARD_SPAN] * 3)
     # The agent was handed the served gateway under its attempt's prefix.
@@ -339,7 +339,7 @@ def test_ctrl_c_lets_attempts_in_flight_finish_and_twice_fails_them(tmp_path):
         stop_serve(server)
     assert graceful.returncode == 0, graceful.stderr
     assert "stopping" in graceful.stderr and "1 succeeded, 0 failed" in graceful.stderr
-    assert rollout.status is RolloutStatus.succeeded and rollout.final_reward == 1.0
+    assert rollout.status is RolloutStatus.succeeded and rollout.episode_return == 1.0
     # The second Ctrl-C does not wait for the agent's thread (it sleeps a minute).
     assert hard.returncode == 0, hard.stderr
     assert cut.status is RolloutStatus.failed and "runner stopped" in attempt.error

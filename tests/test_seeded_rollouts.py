@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_rl.tasks.rollouts import rollout_seed
-
 from lightning_core.runner import Runner
 from lightning_core.types import Attempt, Claim, Rollout
+from lightning_rl.tasks.rollouts import rollout_seed
 
 
 def test_rollout_seeds_are_fixed_and_distinct():

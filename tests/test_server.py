@@ -202,7 +202,7 @@ def test_otel_sdk_exports_protobuf_into_the_store(served):
     assert tool["end_time"] >= tool["start_time"] > 1e9
     attempt = claim["attempt"]["attempt_id"]
     done = http.post(f"/store/attempts/{attempt}/complete", json={}).json()
-    assert done["status"] == RolloutStatus.succeeded and done["final_reward"] == 0.5
+    assert done["status"] == RolloutStatus.succeeded and done["episode_return"] == 0.5
 
 
 def _otlp_json(claim: dict | None, **span_overrides) -> dict:

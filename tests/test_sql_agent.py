@@ -11,6 +11,12 @@ from typing import Any
 
 import pytest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
+
+from lightning_core import semconv
+from lightning_core.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.store.client import HttpStoreClient
+from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from lightning_rl.agents.sql import chinook, load_tasks
 from lightning_rl.agents.sql.agent import Roles, SQLAgentConfig, build_graph, chat_model
 from lightning_rl.agents.sql.data import split_of
@@ -27,12 +33,6 @@ from lightning_rl.agents.sql.questions import all_questions
 from lightning_rl.agents.sql.reward import rows_match, sql_reward
 from lightning_rl.agents.sql.sql_text import NotAQuery, extract_sql, read_only_statement
 from lightning_rl.agents.sql.tool import SQLError, format_result, run_sql
-
-from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
-from lightning_core.runner import Runner, RunnerConfig
-from lightning_core.store.client import HttpStoreClient
-from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from tests.conftest import gateway_server
 
 # --- databases --------------------------------------------------------------------------------
@@ -492,7 +492,7 @@ async def test_sql_agent_runs_its_roles_through_the_gateway(tiny_server):
                 assert _output_text(call).upper().startswith("SELECT")
         last_sql = [s for s in calls if s.attributes[semconv.AGENT_NAME] != "checker"][-1]
         expected = sql_reward(_output_text(last_sql), by_id[rollout.task_id])
-        assert rollout.final_reward == expected
+        assert rollout.episode_return == expected
 
 
 def test_worked_examples_answer_no_task_and_run():
@@ -526,9 +526,8 @@ def test_tiers_follow_the_gold_querys_shape_and_every_split_has_each():
 
 
 def test_the_sql_air_rule_rewards_a_query_that_returned_rows_only():
-    from lightning_rl.tasks.profiles import PROFILES
-
     from lightning_core.types import Span
+    from lightning_rl.tasks.profiles import PROFILES
 
     [rule] = PROFILES["sql"].air
 

@@ -7,16 +7,16 @@ import re
 from typing import Any
 
 import pytest
-from lightning_rl.agents.sql.agent import chat_model
-from lightning_rl.agents.sql.data import load_tasks
-from lightning_rl.agents.sql.databases import DATABASES, UnknownDatabase
-from lightning_rl.agents.sql.grammar import sql_grammar
 from transformers import AutoTokenizer
 
 from lightning_core.backends.base import Constraint
 from lightning_core.backends.grammar import GrammarCompiler
 from lightning_core.models import resolve_model
 from lightning_core.types import LLMEndpoint
+from lightning_rl.agents.sql.agent import chat_model
+from lightning_rl.agents.sql.data import load_tasks
+from lightning_rl.agents.sql.databases import DATABASES, UnknownDatabase
+from lightning_rl.agents.sql.grammar import sql_grammar
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ async def test_rollout_lifecycle_with_spans_and_reward(store):
     await store.add_spans([first, reward_span(claim, 0.25), reward_span(claim, 0.75)])
     done = await store.complete_attempt(claim.attempt.attempt_id)
     # Without an explicit reward, the last primary reward span is the episode's return.
-    assert done.status is RolloutStatus.succeeded and done.final_reward == 0.75
+    assert done.status is RolloutStatus.succeeded and done.episode_return == 0.75
 
     spans = await store.query_spans([queued.rollout_id])
     assert [s.name for s in spans] == ["llm", "lightning.reward", "lightning.reward"]
@@ -48,12 +48,12 @@ async def test_explicit_reward_wins_and_secondary_rewards_do_not_count(store):
     await store.enqueue_rollouts([RolloutRequest(input=1)])
     claim = await store.dequeue("w")
     await store.add_spans([reward_span(claim, 1.0), reward_span(claim, 5.0, primary=False)])
-    assert (await store.complete_attempt(claim.attempt.attempt_id)).final_reward == 1.0
+    assert (await store.complete_attempt(claim.attempt.attempt_id)).episode_return == 1.0
 
     await store.enqueue_rollouts([RolloutRequest(input=2)])
     claim = await store.dequeue("w")
     await store.add_spans([reward_span(claim, 1.0)])
-    assert (await store.complete_attempt(claim.attempt.attempt_id, 0.5)).final_reward == 0.5
+    assert (await store.complete_attempt(claim.attempt.attempt_id, 0.5)).episode_return == 0.5
 
 
 async def test_queue_is_fifo_and_empty_queue_returns_none(store):
@@ -118,7 +118,7 @@ async def test_illegal_transitions_are_rejected(store):
     with pytest.raises(IllegalTransition, match="succeeded and cannot become cancelled"):
         await store.cancel_rollout(rollout.rollout_id)
     # Nothing changed by the refused calls.
-    assert (await store.get_rollout(rollout.rollout_id)).final_reward == 1.0
+    assert (await store.get_rollout(rollout.rollout_id)).episode_return == 1.0
 
 
 async def test_cancelled_rollout_is_never_dequeued(store):
@@ -304,4 +304,30 @@ async def test_late_spans_of_a_finished_attempt_are_kept_but_do_not_change_its_r
     await store.add_spans([span(claim, "slow-exporter"), reward_span(claim, 0.0)])
     names = [s.name for s in await store.query_spans([rollout.rollout_id])]
     assert names == ["lightning.reward", "slow-exporter", "lightning.reward"]
-    assert (await store.get_rollout(rollout.rollout_id)).final_reward == 1.0
+    assert (await store.get_rollout(rollout.rollout_id)).episode_return == 1.0
+
+
+async def test_a_store_made_before_the_rename_reads_its_final_reward_as_episode_return(tmp_path):
+    import duckdb
+
+    from lightning_core.store import schema
+    from lightning_core.store.duckdb_store import DuckDBStore
+
+    db = tmp_path / "old.duckdb"
+    columns = [
+        ("final_reward" if name == "episode_return" else name, sql_type)
+        for name, sql_type in schema.ROLLOUT_LOG.columns
+    ]
+    with duckdb.connect(str(db)) as con:
+        con.execute(f"CREATE TABLE rollout_log ({', '.join(f'{n} {t}' for n, t in columns)})")
+        con.execute(
+            "INSERT INTO rollout_log (log_seq, rollout_id, input, mode, status, max_attempts, "
+            "attempt_count, final_reward, enqueued_at, metadata) "
+            "VALUES (1, 'ro-old', '{}', 'train', 'succeeded', 1, 1, 0.75, 0, '{}')"
+        )
+    store = DuckDBStore(db=str(db))
+    try:
+        rollout = await store.get_rollout("ro-old")
+    finally:
+        await store.close()
+    assert rollout.episode_return == 0.75

@@ -70,7 +70,7 @@ async def test_spans_of_a_rollout_reach_the_store_over_otlp():
     assert tool.attributes[semconv.TOOL_SUCCESS] is False
     rewards = [s for s in spans if s.name == semconv.REWARD_SPAN]
     assert [r.attributes[semconv.REWARD_VALUE] for r in rewards] == [0.25, 1.0]
-    assert done.final_reward == 1.0  # the primary one
+    assert done.episode_return == 1.0  # the primary one
 
 
 async def test_in_process_store_exporter():

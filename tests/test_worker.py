@@ -35,7 +35,7 @@ async def test_closed_store_leaves_a_readable_checkpointed_file(tmp_path):
     # The worker has exited, so the file opens in any DuckDB, and the views show the latest row.
     con = duckdb.connect(str(db), read_only=True)
     rows = con.execute(
-        "SELECT rollout_id, status, final_reward, input->>'q' FROM rollouts ORDER BY enqueued_at"
+        "SELECT rollout_id, status, episode_return, input->>'q' FROM rollouts ORDER BY enqueued_at"
     ).fetchall()
     con.close()
     assert {r[0] for r in rows} == {r.rollout_id for r in rollouts}

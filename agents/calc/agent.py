@@ -25,10 +25,10 @@ from autogen_core.models import (
 )
 from autogen_core.tools import FunctionTool
 from autogen_ext.models.openai import OpenAIChatCompletionClient
-from lightning_rl.agents.calc.calculator import CalculatorError, evaluate, format_number
-from lightning_rl.agents.calc.reward import answer_reward
 
 from lightning_core.tracing import emit_tool_result
+from lightning_rl.agents.calc.calculator import CalculatorError, evaluate, format_number
+from lightning_rl.agents.calc.reward import answer_reward
 
 AGENT_NAME = "calc"
 SYSTEM_MESSAGE = (

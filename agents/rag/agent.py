@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_rl.agents.rag.examples import examples_for, search_items
-from lightning_rl.agents.rag.reward import answer_reward
-from lightning_rl.agents.rag.tool import search_tool
 from openai import AsyncOpenAI
 
 import agents as sdk
+from lightning_rl.agents.rag.examples import examples_for, search_items
+from lightning_rl.agents.rag.reward import answer_reward
+from lightning_rl.agents.rag.tool import search_tool
 
 AGENT_NAME = "rag"
 INSTRUCTIONS = (

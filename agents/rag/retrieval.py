@@ -12,8 +12,9 @@ import functools
 import re
 import unicodedata
 
-from lightning_rl.agents.rag.corpus import documents
 from rank_bm25 import BM25Okapi
+
+from lightning_rl.agents.rag.corpus import documents
 
 DEFAULT_K = 3
 # Long enough for all but the longest neighbour lists (median document: about 190 characters).

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_rl.agents.rag import retrieval
-
 import agents as sdk
 from lightning_core.tracing import emit_tool_result
+from lightning_rl.agents.rag import retrieval
 
 TOOL_NAME = "search"
 # Documents per search. The small model copies from the last document it read: with three,

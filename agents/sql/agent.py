@@ -35,6 +35,9 @@ from typing import Any, TypedDict
 import httpx
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
+from pydantic import BaseModel, Field
+
+from lightning_core.tracing import emit_tool_result
 from lightning_rl.agents.sql import tool
 from lightning_rl.agents.sql.databases import schema_text
 from lightning_rl.agents.sql.grammar import sql_grammar
@@ -46,9 +49,6 @@ from lightning_rl.agents.sql.prompts import (
 )
 from lightning_rl.agents.sql.reward import sql_reward
 from lightning_rl.agents.sql.sql_text import extract_sql
-from pydantic import BaseModel, Field
-
-from lightning_core.tracing import emit_tool_result
 
 WRITER, CHECKER, REWRITER = "writer", "checker", "rewriter"
 AGENT_HEADER = "X-Lightning-Agent"

@@ -332,7 +332,7 @@ class DuckDBStore:
         rollout.status.check_move(RolloutStatus.succeeded, f"rollout {rollout.rollout_id}")
         t = now()
         rollout.status, rollout.ended_at = RolloutStatus.succeeded, t
-        rollout.final_reward = reward if reward is not None else self._last_reward.get(attempt_id)
+        rollout.episode_return = reward if reward is not None else self._last_reward.get(attempt_id)
         self._finish_attempt(attempt, AttemptStatus.succeeded, t)
         self._log_rollout(rollout)
         self._rollout_finished.fire()

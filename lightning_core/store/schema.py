@@ -64,7 +64,7 @@ ROLLOUT_LOG = Table(
         ("policy_version", "VARCHAR"),
         ("max_attempts", "INTEGER"),
         ("attempt_count", "INTEGER"),
-        ("final_reward", "DOUBLE"),
+        ("episode_return", "DOUBLE"),
         ("enqueued_at", "DOUBLE"),
         ("started_at", "DOUBLE"),
         ("ended_at", "DOUBLE"),
@@ -150,6 +150,10 @@ MIGRATIONS = (
     "ALTER TABLE policy_versions ADD COLUMN IF NOT EXISTS agent_policies JSON DEFAULT '{}'",
 )
 
+# Columns renamed since release, (table, old name, new name): renamed in databases that still
+# have the old one, before the views are made (the glossary's names, README).
+RENAMES = (("rollout_log", "final_reward", "episode_return"),)
+
 VIEWS = (
     "CREATE OR REPLACE VIEW rollouts AS SELECT * EXCLUDE (log_seq) FROM rollout_log "
     "QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY log_seq DESC) = 1",
@@ -174,7 +178,7 @@ def rollout_row(seq: int, r: Rollout) -> tuple[Any, ...]:
         r.policy_version,
         r.max_attempts,
         r.attempt_count,
-        r.final_reward,
+        r.episode_return,
         r.enqueued_at,
         r.started_at,
         r.ended_at,

@@ -219,6 +219,14 @@ def child_main(db: str, threads: int, open_timeout_s: float) -> int:
         con = _connect(db, threads, open_timeout_s)
         for table in schema.TABLES:
             con.execute(table.ddl)
+        for table, old, new in schema.RENAMES:
+            found = con.execute(
+                "SELECT count(*) FROM information_schema.columns "
+                "WHERE table_name = ? AND column_name = ?",
+                [table, old],
+            ).fetchone()
+            if found and found[0]:
+                con.execute(f"ALTER TABLE {table} RENAME COLUMN {old} TO {new}")
         for migration in schema.MIGRATIONS:
             con.execute(migration)
         for view in schema.VIEWS:

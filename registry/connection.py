@@ -1,0 +1,58 @@
+"""Which MLflow: the tracking URI a config resolves to, a client on it, and its experiment.
+
+The client also sets the process's tracking and registry URIs, because MLflow's fluent calls
+(start_run, Model.log, register_model) read those rather than take a client.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+
+from lightning_rl.registry.config import DEFAULT_TRACKING_URI, RegistryConfig
+
+
+def tracking_uri(config: RegistryConfig) -> str:
+    """The configured URI, else $MLFLOW_TRACKING_URI, else a SQLite file here; made absolute."""
+    uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    # A relative SQLite path would follow the working directory; pin it where it was first meant.
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+    return uri
+
+
+def mlflow_client(config: RegistryConfig) -> MlflowClient:
+    """A client on the configured URI, which also becomes the process's for fluent calls."""
+    uri = tracking_uri(config)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return MlflowClient(uri, registry_uri=uri)
+
+
+def _artifact_location(config: RegistryConfig, uri: str) -> str | None:
+    location = config.artifact_location
+    if location is None and uri.startswith("sqlite:///"):
+        location = str(Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts")
+    if location is None or "://" in location:
+        return location
+    return Path(location).resolve().as_uri()
+
+
+def experiment_id(client: MlflowClient, config: RegistryConfig) -> str:
+    """The id of the configured experiment, created (with its artifact location) if new."""
+    experiment = client.get_experiment_by_name(config.experiment)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = _artifact_location(config, client.tracking_uri)
+    try:
+        return client.create_experiment(config.experiment, artifact_location=location)
+    except MlflowException as e:
+        if e.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+        # Another run created it between the lookup and the create.
+        return client.get_experiment_by_name(config.experiment).experiment_id

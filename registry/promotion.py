@@ -1,0 +1,144 @@
+"""The promotion rule, as pure functions of scores and versions: whether a newly registered
+version replaces the champion, and why; and the decision as the version tags that record it.
+
+The champion moves to a new version only when its held-out score beats the champion's by a
+margin: a gate, so that noise in a small benchmark cannot swap the served model back and forth.
+No MLflow here: versions.py reads the registry, asks this module, and writes the answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightning_core.errors import InvalidInput
+from lightning_rl.registry.names import (
+    NONE,
+    PROMOTED,
+    REJECTED,
+    TAG_CHAMPION_SCORE,
+    TAG_CHAMPION_VERSION,
+    TAG_DECISION,
+    TAG_REASON,
+    TAG_SCORE,
+)
+
+# Scores are fractions in floating point (0.72 - 0.70 is 0.0199999...): without slack a gain of
+# exactly the margin would be refused.
+_SCORE_EPSILON = 1e-9
+
+
+class PromotionDecision(BaseModel):
+    """Whether a version becomes champion, and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    promote: bool = Field(description="True: the challenger becomes champion.")
+    reason: str = Field(description="Why, in words, with both scores.")
+    challenger_score: float = Field(description="Held-out score of the new version.")
+    champion_score: float | None = Field(
+        description="Held-out score of the champion at decision time; None when there was none."
+    )
+    challenger_version: str | None = Field(None, description="Registry version decided on.")
+    champion_version: str | None = Field(
+        None, description="Champion's version before the decision; None when there was none."
+    )
+
+
+def decide_promotion(
+    challenger_score: float, champion_score: float | None, margin: float, threshold: float
+) -> PromotionDecision:
+    """The gate: beat the champion by `margin`, or, with no champion, reach `threshold`."""
+    for name, score in (("challenger", challenger_score), ("champion", champion_score)):
+        if score is not None and not math.isfinite(score):
+            raise InvalidInput(f"the {name}'s score is {score}; evaluation must give a number")
+    if champion_score is None:
+        promote = challenger_score >= threshold - _SCORE_EPSILON
+        relation = "reaches" if promote else "is below"
+        reason = f"no champion yet; score {challenger_score:.4g} {relation} threshold {threshold:g}"
+    else:
+        gain = challenger_score - champion_score
+        promote = gain >= margin - _SCORE_EPSILON
+        relation = "at least" if promote else "less than"
+        reason = (
+            f"score {challenger_score:.4g} vs champion {champion_score:.4g}: gain {gain:+.4g} is "
+            f"{relation} the margin {margin:g}"
+        )
+    return PromotionDecision(
+        promote=promote,
+        reason=reason,
+        challenger_score=challenger_score,
+        champion_score=champion_score,
+    )
+
+
+def decide_version(
+    challenger_version: str,
+    challenger_score: float,
+    champion_version: str | None,
+    champion_score: float | None,
+    margin: float,
+    threshold: float,
+) -> PromotionDecision:
+    """The decision on a registered version, given the champion as the registry has it.
+
+    The gate (decide_promotion), except that a version never competes with itself, and that a
+    champion without a score (one aliased by hand) is kept: replacing it blindly could serve a
+    worse model. `champion_version` None: there is no champion; `champion_score` None with a
+    champion: it has no score. The decision names both versions.
+    """
+    if champion_version is not None and champion_version == challenger_version:
+        decision = PromotionDecision(
+            promote=False,
+            reason="already the champion",
+            challenger_score=challenger_score,
+            champion_score=champion_score,
+        )
+    elif champion_version is not None and champion_score is None:
+        decision = PromotionDecision(
+            promote=False,
+            reason=f"champion v{champion_version} has no numeric {TAG_SCORE} tag to compare "
+            "with; tag it, or move the alias by hand",
+            challenger_score=challenger_score,
+            champion_score=None,
+        )
+    else:
+        decision = decide_promotion(challenger_score, champion_score, margin, threshold)
+    return decision.model_copy(
+        update={"challenger_version": challenger_version, "champion_version": champion_version}
+    )
+
+
+def decision_tags(decision: PromotionDecision) -> dict[str, str]:
+    """The version tags that record `decision`: the registry alone tells why each version was
+    or was not promoted."""
+    champion_score = decision.champion_score
+    return {
+        TAG_DECISION: PROMOTED if decision.promote else REJECTED,
+        TAG_REASON: decision.reason,
+        TAG_CHAMPION_SCORE: NONE if champion_score is None else repr(champion_score),
+        TAG_CHAMPION_VERSION: decision.champion_version or NONE,
+    }
+
+
+def recorded_decision(version: str, tags: Mapping[str, str]) -> PromotionDecision | None:
+    """The decision recorded on version `version` by its tags (decision_tags, and its score);
+    None when it has not been decided (or its tags are not ours)."""
+    try:
+        decision, reason, score = tags[TAG_DECISION], tags[TAG_REASON], float(tags[TAG_SCORE])
+        champion_score = tags[TAG_CHAMPION_SCORE]
+        champion_version = tags[TAG_CHAMPION_VERSION]
+        if decision not in (PROMOTED, REJECTED):
+            return None
+        return PromotionDecision(
+            promote=decision == PROMOTED,
+            reason=reason,
+            challenger_score=score,
+            champion_score=None if champion_score == NONE else float(champion_score),
+            challenger_version=version,
+            champion_version=None if champion_version == NONE else champion_version,
+        )
+    except (KeyError, ValueError):
+        return None

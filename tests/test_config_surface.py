@@ -1,0 +1,208 @@
+"""TrainConfig is declared once: the flow's parameters, the `lightning-rl train` options and the
+README's settings table all follow from it, with the same names, defaults and descriptions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+from prefect.exceptions import ParameterTypeError
+
+from lightning_core.errors import LightningError
+from lightning_rl.flows.cli import train_command, train_fields
+from lightning_rl.flows.config import (
+    README_END,
+    README_START,
+    TrainConfig,
+    nested_models,
+    settings_markdown,
+    train_config_parameters,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = list(TrainConfig.model_fields)
+DEFAULTS = TrainConfig().model_dump(mode="json")
+COMMAND_ONLY = {"config", "resume", "quiet"}
+
+
+@flow(name="config-surface")
+@train_config_parameters
+def config_flow(**params: Any) -> TrainConfig:
+    return TrainConfig.model_validate(params)
+
+
+def _schema_defaults(properties: dict[str, Any]) -> dict[str, Any]:
+    return {name: spec.get("default") for name, spec in properties.items()}
+
+
+def test_a_flow_over_the_generated_signature_has_every_field_typed_and_described():
+    properties = config_flow.parameters.properties
+    assert list(properties) == FIELDS
+    assert _schema_defaults(properties) == DEFAULTS
+    for name, field in TrainConfig.model_fields.items():
+        assert properties[name].get("description") == field.description, name
+    assert properties["iterations"]["minimum"] == 1  # constraints reach the schema
+    assert properties["task_runner"]["enum"] == ["threads", "ray", "dask"]
+    # Nested settings stay typed: a reference to their model's schema.
+    for name, model in nested_models().items():
+        assert properties[name]["$ref"] == f"#/definitions/{model.__name__}"
+
+
+def test_the_generated_parameters_validate_and_coerce_as_prefect_does():
+    assert config_flow.validate_parameters({"iterations": "3"})["iterations"] == 3
+    with pytest.raises(ParameterTypeError, match="iterations"):
+        config_flow.validate_parameters({"iterations": 0})
+    with pytest.raises(ParameterTypeError, match="task_runner"):
+        config_flow.validate_parameters({"task_runner": "slurm"})
+    # Called outside a flow run, the function sees only what was passed.
+    config = config_flow.fn(iterations=3, trainer={"learning_rate": 1e-3})
+    assert config.iterations == 3 and config.trainer.learning_rate == 1e-3
+
+
+def test_the_decorator_wants_a_function_of_keyword_parameters_only():
+    def positional(a, **params):
+        return params
+
+    with pytest.raises(TypeError, match="params only"):
+        train_config_parameters(positional)
+
+
+def test_the_train_flow_takes_exactly_the_config_fields():
+    from lightning_rl.flows.train import train
+
+    properties = train.parameters.properties
+    assert list(properties) == FIELDS
+    assert _schema_defaults(properties) == DEFAULTS
+
+
+def _options() -> dict[str, Any]:
+    return {p.name: p for p in train_command().params}
+
+
+def test_the_train_command_has_one_option_per_field_and_its_own_three():
+    options = _options()
+    assert set(options) - {"help"} == set(FIELDS) | COMMAND_ONLY
+    for name in FIELDS:
+        option = options[name]
+        assert f"--{name.replace('_', '-')}" in option.opts, name
+        assert option.default is None, f"{name}: an option defaults to 'not given'"
+        assert (option.help or "").startswith(
+            (TrainConfig.model_fields[name].description or "")[:30].replace("[", "\\[")
+        ), name
+
+
+def test_the_options_show_the_configs_defaults():
+    options = _options()
+    for name in FIELDS:
+        default = DEFAULTS[name]
+        if name in nested_models() or default is None:
+            assert options[name].show_default is False, name
+        else:
+            assert options[name].show_default == str(getattr(TrainConfig(), name)), name
+
+
+def test_the_options_keep_their_earlier_names_and_kinds():
+    options = _options()
+    assert "--train-agent" in options["train_agents"].opts and options["train_agents"].multiple
+    assert options["policy_per_agent"].secondary_opts == [
+        "--no-policy-per-agent",
+        "--shared-policy",
+    ]
+    assert options["policy_per_agent"].opts == ["--policy-per-agent"]
+    assert options["trainer"].metavar == "JSON"
+
+
+def _given(**flags: Any) -> dict[str, Any]:
+    return {name: flags.get(name) for name in FIELDS}
+
+
+def test_flags_win_over_the_config_file_and_nested_ones_merge_key_by_key(tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text(
+        json.dumps({"agent": "sql", "iterations": 5, "trainer": {"weight_decay": 0.1}})
+    )
+    flags = _given(iterations=7, trainer='{"learning_rate": 1e-4}', train_agents=["writer"])
+    settings = TrainConfig.model_validate(train_fields(flags, config, None))
+    assert (settings.agent, settings.iterations, settings.train_agents) == ("sql", 7, ["writer"])
+    # The flag's keys over the file's over TrainConfig's demo trainer (not TrainerConfig's).
+    assert settings.trainer.learning_rate == 1e-4 and settings.trainer.weight_decay == 0.1
+    assert settings.trainer.lora == TrainConfig().trainer.lora
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"trainer": "{bad"}, "--trainer takes a JSON object"),
+        ({"credit": "[1]"}, "--credit takes a JSON object"),
+        ({"trainer": '{"learnin_rate": 1}'}, "unknown training settings: trainer.learnin_rate"),
+    ],
+)
+def test_nested_flags_refuse_what_is_not_a_settings_object(flags, message):
+    with pytest.raises(LightningError, match=message):
+        train_fields(_given(**flags), None, None)
+
+
+def test_resume_starts_from_the_runs_saved_config_and_flags_change_it(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    saved = TrainConfig(agent="sql", iterations=4, run_name="r1").model_dump(mode="json")
+    (run / "config.json").write_text(json.dumps(saved))
+    fields = train_fields(_given(iterations=9, run_dir=str(tmp_path / "runs")), None, "r1")
+    settings = TrainConfig.model_validate(fields)
+    assert (settings.agent, settings.iterations, settings.run_name) == ("sql", 9, "r1")
+    assert settings.run_dir == str(tmp_path / "runs")
+    with pytest.raises(LightningError, match=r"cannot resume r2: no .*config\.json"):
+        train_fields(_given(run_dir=str(tmp_path / "runs")), None, "r2")
+    with pytest.raises(LightningError, match="disagree"):
+        train_fields(_given(run_dir=str(tmp_path / "runs"), run_name="other"), None, "r1")
+
+
+def test_the_readme_settings_table_is_the_generated_one():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split(README_START, 1)[1].split(README_END, 1)[0]
+    assert section.strip() == settings_markdown().strip(), (
+        "README.md's settings table is stale: run "
+        "`python -m lightning_rl.flows.config --update-readme README.md`"
+    )
+    for name, model in nested_models().items():
+        for field in model.model_fields:
+            assert f"`{name}.{field}`" in section
+
+
+def test_a_literal_setting_takes_only_its_choices():
+    from typer.testing import CliRunner
+
+    from lightning_core.cli import app
+    from lightning_rl.flows import cli  # noqa: F401  (adds train to the app)
+
+    result = CliRunner().invoke(app, ["train", "--task-runner", "slurm"])
+    assert result.exit_code == 2
+    assert "slurm" in result.output and "threads" in result.output
+
+
+def test_flags_reach_the_settings_under_their_field_names(monkeypatch):
+    from typer.testing import CliRunner
+
+    from lightning_core.cli import app
+    from lightning_rl.flows import cli
+
+    seen: dict[str, Any] = {}
+
+    def capture(options: dict[str, Any], config: Path | None, resume: str | None) -> None:
+        seen.update(options, config=config, resume=resume)
+        raise LightningError("stop here")
+
+    monkeypatch.setattr(cli, "train_fields", capture)
+    # Not in the test process: they set Prefect's environment and a SIGTERM handler.
+    monkeypatch.setattr(cli, "_quiet_prefect", lambda: None)
+    monkeypatch.setattr(cli, "_interrupt_on_sigterm", lambda: None)
+    args = ["--shared-policy", "--train-agent", "a", "--train-agents", "b", "--iterations", "3"]
+    args += ["--trainer", "{}", "--resume", "r1"]
+    result = CliRunner().invoke(app, ["train", *args])
+    assert result.exit_code == 2 and "stop here" in result.output
+    assert seen["policy_per_agent"] is False and seen["train_agents"] == ["a", "b"]
+    assert seen["iterations"] == 3 and seen["trainer"] == "{}" and seen["resume"] == "r1"
+    assert seen["agent"] is None and seen["config"] is None  # not given

@@ -1,0 +1,69 @@
+"""What a user sees of a training run in the Prefect UI (slow): a real Prefect server, a tiny
+`lightning-rl train` run against it, and the run's pages in headless Chromium, the pages and
+checks of docs/screenshots.py (`make screenshots`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[1]
+ITERATIONS = 3
+
+
+def _load_screenshots() -> ModuleType:
+    # docs/ is no package: the script is loaded by path, as `make screenshots` runs it.
+    name = "lightning_rl_docs_screenshots"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / "screenshots.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclass looks its own module up in sys.modules.
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+shots = _load_screenshots()
+
+
+def _require_browser() -> None:
+    """Skip without Playwright or Chromium, unless on CI: .ci/run installs both, so there a
+    missing browser is a broken setup, not a machine without one."""
+    missing = None
+    if importlib.util.find_spec("playwright") is None:
+        missing = "playwright is not installed (pip install -e '.[dev]')"
+    elif not shots.CHROMIUM.exists():
+        missing = f"{shots.CHROMIUM} is missing (apt-get install -y chromium)"
+    if missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must have a browser for the Prefect UI test: {missing}")
+    pytest.skip(f"no headless browser for the Prefect UI: {missing}")
+
+
+def test_the_prefect_ui_shows_the_iterations_the_logs_and_the_reward_curve(tmp_path):
+    _require_browser()
+    with shots.prefect_server(tmp_path / "prefect-home") as ui:
+        run = shots.train_demo(ui, tmp_path / "train", iterations=ITERATIONS)
+        with shots.browser() as page:
+            try:
+                subflows = shots.show_subflows(page, run)
+                logs = shots.show_logs(page, run)
+                curve = shots.show_report(page, run)
+            except AssertionError as exc:
+                # What the browser showed instead, for whoever reads the failure.
+                page.screenshot(path=tmp_path / "failure.png")
+                raise AssertionError(f"{exc}\n(the page: {tmp_path / 'failure.png'})") from exc
+    assert subflows == [f"iteration-{k}" for k in range(1, ITERATIONS + 1)]
+    assert any(f"run {run.run_name} in " in row for row in logs), logs
+    assert any("held-out after iteration" in row for row in logs), logs
+    assert curve["width"] > 0 and curve["height"] > 0, f"the reward curve did not render: {curve}"
