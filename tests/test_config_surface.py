@@ -206,3 +206,13 @@ def test_flags_reach_the_settings_under_their_field_names(monkeypatch):
     assert seen["policy_per_agent"] is False and seen["train_agents"] == ["a", "b"]
     assert seen["iterations"] == 3 and seen["trainer"] == "{}" and seen["resume"] == "r1"
     assert seen["agent"] is None and seen["config"] is None  # not given
+
+
+def test_a_users_success_threshold_is_kept_and_the_profiles_fills_in_only_when_unset():
+    from lightning_rl.flows.train import _credit
+    from lightning_rl.tasks.profiles import profile
+
+    rag = profile("rag", None)
+    assert _credit(TrainConfig(agent="rag"), rag).success_threshold == rag.success_threshold
+    mine = TrainConfig(agent="rag", credit={"success_threshold": 0.5})
+    assert _credit(mine, rag).success_threshold == 0.5
