@@ -149,7 +149,9 @@ def test_a_run_killed_in_iteration_2_resumes_to_the_uninterrupted_result(tmp_pat
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     summary = json.loads((killed / "summary.json").read_text())
-    client = MlflowClient(f"sqlite:///{tmp_path}/killed-mlflow.db")
+    uri = f"sqlite:///{tmp_path}/killed-mlflow.db"
+    # The registry too: other tests in this process may have set a global registry URI.
+    client = MlflowClient(uri, registry_uri=uri)
     # One MLflow run, every iteration in it exactly once.
     assert summary["mlflow_run_id"] == checkpoint["mlflow_run_id"]
     for key, steps in (("rollout/reward_mean", [1, 2, 3]), ("eval/score", [0, 1, 2, 3])):

@@ -92,7 +92,10 @@ class VLLMBackend:
                     total=None, sock_connect=10, sock_read=self.config.request_timeout_s
                 ),
                 # No client-side cap: vLLM queues and batches; a cap here would only serialize.
-                connector=aiohttp.TCPConnector(limit=0),
+                # Idle connections close before the server's own keep-alive (uvicorn's 5 s)
+                # does: a request sent on one the server has just closed fails with "Server
+                # disconnected" (seen in CI between two tests).
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
                 read_bufsize=1 << 20,
             )
             if self.config.url is not None:
