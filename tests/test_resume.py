@@ -34,8 +34,13 @@ CONFIG = {
     "temperature": 1.0,
     "eval_size": 6,
     "eval_every": 1,
-    "rollout_workers": 2,
-    "rollout_concurrency": 3,
+    # One request at a time: with several in flight, the backend batches them, and how a batch
+    # is made up moves logits in their last bits, which can flip a seeded sample at a near-tie
+    # (seen: 1 token in 288, in one run of three) and so change the update of any run, resumed
+    # or not. Alone in its batch, a seeded request samples the same tokens every run, and the
+    # comparison measures what resuming changes.
+    "rollout_workers": 1,
+    "rollout_concurrency": 1,
     "seed": 3,
 }
 
