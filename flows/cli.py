@@ -307,7 +307,7 @@ def train_fields(
     config, the --config file, the flags. Nested settings merge key by key over the layer
     below, so `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
     from lightning_rl.flows.config import TrainConfig
-    from lightning_rl.flows.run_state import CONFIG_FILE
+    from lightning_rl.flows.run_state import CONFIG_FILE, run_path
 
     flags: dict[str, Any] = {}
     for name, value in options.items():
@@ -321,7 +321,7 @@ def train_fields(
         run_dir = flags.get("run_dir") or from_file.get("run_dir") or TrainConfig().run_dir
         if flags.get("run_name", resume) != resume:
             raise LightningError(f"--resume {resume} and --run-name {flags['run_name']} disagree")
-        saved = Path(run_dir) / resume / CONFIG_FILE
+        saved = run_path(run_dir, resume) / CONFIG_FILE
         if not saved.is_file():
             raise LightningError(
                 f"cannot resume {resume}: no {saved} (a run writes it when it starts)"
@@ -357,7 +357,7 @@ def train(**options: Any) -> None:
     _quiet_prefect()
     _interrupt_on_sigterm()
     from lightning_rl.flows.config import TrainConfig
-    from lightning_rl.flows.run_state import default_run_name
+    from lightning_rl.flows.run_state import default_run_name, run_path
     from lightning_rl.tasks.profiles import profile
 
     config, resume, quiet = options.pop("config"), options.pop("resume"), options.pop("quiet")
@@ -371,7 +371,7 @@ def train(**options: Any) -> None:
         _fail(exc)
     if settings.run_name is None:
         settings.run_name = default_run_name(spec.name)
-    folder = Path(settings.run_dir).resolve() / settings.run_name
+    folder = run_path(settings.run_dir, settings.run_name)
     folder.mkdir(parents=True, exist_ok=True)
 
     from lightning_rl.flows.train import train as train_flow

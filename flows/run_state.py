@@ -33,9 +33,14 @@ def default_run_name(agent: str) -> str:
     return f"{agent}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def run_path(run_dir: str | Path, run_name: str) -> Path:
+    """Where the run `run_name` keeps its folder."""
+    return Path(run_dir).resolve() / run_name
+
+
 def run_folder(run_dir: str | Path, run_name: str) -> Path:
     """The run's folder (created), with `<run_dir>/latest` pointing at it."""
-    root = Path(run_dir).resolve() / run_name
+    root = run_path(run_dir, run_name)
     root.mkdir(parents=True, exist_ok=True)
     # runs/latest: where `lightning-rl analyze` looks by default. A link made aside, then
     # renamed over the old one, so a reader never finds it missing.

@@ -356,9 +356,9 @@ def _cancel_unfinished(server_url: str) -> int:
     return asyncio.run(cancel())
 
 
-def _start_or_resume(config: TrainConfig, agent: AgentProfile) -> tuple[Path, Checkpoint | None]:
+def _start_or_resume(config: TrainConfig, run_name: str) -> tuple[Path, Checkpoint | None]:
     """The run folder, and its checkpoint when the run was started before."""
-    root = run_folder(config.run_dir, config.run_name or default_run_name(agent.name))
+    root = run_folder(config.run_dir, run_name)
     checkpoint = load_checkpoint(root)
     given = config.model_dump(mode="json", exclude={"run_dir"})
     if checkpoint is not None:
@@ -393,9 +393,10 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     log = get_run_logger()
     agent = profile(config.agent, config.tasks)
     policy_agents = _policy_agents(config, agent)
-    config = config.model_copy(update={"run_name": config.run_name or default_run_name(agent.name)})
-    root, checkpoint = _start_or_resume(config, agent)
-    run_name = root.name
+    run_name = config.run_name or default_run_name(agent.name)
+    # The saved config names its run, so `--resume` finds the same name.
+    config = config.model_copy(update={"run_name": run_name})
+    root, checkpoint = _start_or_resume(config, run_name)
     if config.rollout_timeout_s is None:
         config = config.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
     registry_config = resolve(config.registry, agent.registered_model)

@@ -19,10 +19,10 @@ from pathlib import Path
 from lightning_core.errors import StoreUnavailable
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that is free now (the OS picks it)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

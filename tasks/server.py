@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,12 +26,6 @@ class PolicyServer:
     log_path: str
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def policy_server(
     db: Path,
@@ -45,7 +38,7 @@ def policy_server(
     start_timeout_s: float = 900.0,
 ) -> Iterator[PolicyServer]:
     """Start the server on a free port and stop it (cleanly) on the way out."""
-    port = _free_port(host)
+    port = serving.free_port(host)
     options = ["--host", host, "--backend", backend, "--tool-format", tool_format]
     if model:
         options += ["--model", model]
