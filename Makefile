@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train clean
+.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +95,17 @@ bench-sql-greedy: setup
 
 bench-train: setup
 	$(BIN)/python benchmarks/train_step.py
+
+# Reliability (issue 13): every fault-matrix test run for real (about 10 min), schemathesis over
+# the store's and gateway's OpenAPI (about 1 min), 64 clients for 3 minutes (about 4 min).
+bench-faults: setup-dev
+	$(BIN)/python benchmarks/fault_matrix.py
+
+bench-fuzz: setup-dev
+	$(BIN)/python benchmarks/fuzz.py
+
+bench-soak: setup-dev
+	$(BIN)/python benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

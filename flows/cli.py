@@ -55,6 +55,9 @@ def _quiet_prefect() -> None:
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # Prefect's temporary API server gets 20 s to start by default; on a busy 2-core machine it
+    # took longer and the run died with a traceback before it began (seen here under load).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 class _LiveView:

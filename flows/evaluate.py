@@ -2,7 +2,8 @@
 
 For recurring checks of what is served, and for `lightning-rl eval`: it downloads the adapter
 from the MLflow registry, serves it, runs the agent's benchmark greedily and records the score
-as an MLflow run of its own and a Prefect artifact.
+as an MLflow run of its own and a Prefect artifact, and on the registered version's tags with
+its benchmark id: a champion scored on the benchmark of a new version can be compared with it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_rl.registry.config import RegistryConfig, resolve
 from lightning_rl.registry.runs import log_metrics, log_params, tracking
-from lightning_rl.registry.versions import champion_adapter
+from lightning_rl.registry.versions import champion_adapter, record_score
 from lightning_rl.tasks import report
 from lightning_rl.tasks.evaluation import evaluate_policy
 from lightning_rl.tasks.profiles import profile
@@ -67,6 +68,7 @@ def evaluate(
                 name,
                 str(found.adapter),
                 0,
+                key_file=server.key_file,
             )
         result = evaluate_policy.submit(
             server.url,
@@ -77,13 +79,21 @@ def evaluate(
             rollout_timeout_s=rollout_timeout_s or spec.rollout_timeout_s,
             success_threshold=spec.success_threshold,
             run_dir=str(root),
+            key_file=server.key_file,
         ).result()
-    log.info("held-out: %s", result.summary())
+    log.info("held-out: %s on benchmark %s", result.summary(), result.benchmark_id)
+    if found is not None and result.benchmark_id is not None:
+        record_score(config, found.version, result.score, result.benchmark_id, result.tasks)
     with tracking(
         config, run_name=root.name, tags={"agent": spec.name, "kind": "evaluation"}
     ) as run:
         log_params(
-            {"policy": policy, "version": found.version if found else "base", "tasks": eval_size},
+            {
+                "policy": policy,
+                "version": found.version if found else "base",
+                "tasks": eval_size,
+                "benchmark_id": result.benchmark_id,
+            },
             run_id=run.info.run_id,
         )
         log_metrics(result.metrics(), step=0, run_id=run.info.run_id)

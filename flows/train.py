@@ -53,7 +53,6 @@ from lightning_core.curriculum import Curriculum, group_signal
 from lightning_core.errors import InvalidInput
 from lightning_core.evaluation import EvalResult
 from lightning_core.rewards import AIRRule
-from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutStatus
 from lightning_rl.flows.config import TrainConfig, train_config_parameters
 from lightning_rl.flows.run_state import (
@@ -67,14 +66,21 @@ from lightning_rl.flows.run_state import (
     save_config,
 )
 from lightning_rl.registry.config import resolve
-from lightning_rl.registry.runs import log_artifact, log_metrics_once, log_params, tracking
+from lightning_rl.registry.names import TAG_BENCHMARK_ID
+from lightning_rl.registry.runs import (
+    log_artifact,
+    log_metrics_once,
+    log_params,
+    set_run_tags,
+    tracking,
+)
 from lightning_rl.tasks import progress, report
 from lightning_rl.tasks.analysis import analyze_iteration
 from lightning_rl.tasks.evaluation import evaluate_policy
 from lightning_rl.tasks.profiles import AgentProfile, profile
 from lightning_rl.tasks.registry import register_policy
 from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
-from lightning_rl.tasks.server import policy_server
+from lightning_rl.tasks.server import policy_server, store_client
 from lightning_rl.tasks.training import (
     agent_trainer_configs,
     ensure_gpu_limit,
@@ -145,6 +151,9 @@ class RunContext(BaseModel):
     server_url: str
     base_model: str
     registered_model: str
+    # The path of the policy server's 0600 key file, not the key: parameters are stored and
+    # shown in the UI.
+    key_file: str
 
 
 @functools.lru_cache(maxsize=8)
@@ -206,6 +215,7 @@ def _rollout_rounds(
             seed=config.seed,
             iteration=it,
             first_index=len(drawn) * config.group_size,
+            key_file=run.key_file,
         )
         drawn += chosen
         _fan_out(
@@ -219,9 +229,12 @@ def _rollout_rounds(
                 "rollout_timeout_s": unmapped(config.rollout_timeout_s),
                 "default_model": unmapped(policy),
                 "run_dir": unmapped(run.root),
+                "key_file": unmapped(run.key_file),
             },
         )
-        collected = collect_transitions(run.server_url, rollout_ids, adapter, credit)
+        collected = collect_transitions(
+            run.server_url, rollout_ids, adapter, credit, key_file=run.key_file
+        )
         merged.transitions += collected.transitions
         merged.facts |= collected.facts
         task_of = {r: str(f.task_id) for r, f in collected.facts.items()}
@@ -250,6 +263,7 @@ def _evaluate(config: TrainConfig, agent: AgentProfile, run: RunContext, policy:
         rollout_timeout_s=config.rollout_timeout_s,
         success_threshold=_credit(config, agent).success_threshold,
         run_dir=run.root,
+        key_file=run.key_file,
     ).result()
 
 
@@ -258,6 +272,9 @@ def _record_evaluation(
 ) -> list[Evaluation]:
     """A held-out score into MLflow, the progress file and the log."""
     log_metrics_once(result.metrics(), step=iteration, run_id=checkpoint.mlflow_run_id)
+    if result.benchmark_id is not None:
+        # A tag, not a param: params cannot change, and a resumed run may pick another size.
+        set_run_tags({TAG_BENCHMARK_ID: result.benchmark_id}, run_id=checkpoint.mlflow_run_id)
     progress.report(run.root, "evaluated", iteration=iteration, **result.model_dump())
     get_run_logger().info("held-out after iteration %d: %s", iteration, result.summary())
     return [*checkpoint.evaluations, Evaluation.of(iteration, result)]
@@ -319,7 +336,12 @@ def train_iteration(
             config.seed + it,
         )
     policy = publish_policy(
-        run.server_url, f"{run.run_name}-v{it}", run.base_model, adapter_dir, it
+        run.server_url,
+        f"{run.run_name}-v{it}",
+        run.base_model,
+        adapter_dir,
+        it,
+        key_file=run.key_file,
     )
     metrics = {"iteration": it, "policy": policy, **analysis["metrics"], **sampled, **trained}
     _record_iteration(run, checkpoint, metrics)
@@ -340,12 +362,12 @@ def train_iteration(
     return done
 
 
-def _cancel_unfinished(server_url: str) -> int:
+def _cancel_unfinished(server_url: str, key_file: str) -> int:
     """Rollouts a killed run left queued or running: cancelled, so that the redone iteration's
     workers never take them (the redo plans its own)."""
 
     async def cancel() -> int:
-        async with HttpStoreClient(server_url) as store:
+        async with store_client(server_url, key_file) as store:
             left = await store.query_rollouts(
                 status=[RolloutStatus.queuing, RolloutStatus.running, RolloutStatus.requeuing]
             )
@@ -430,6 +452,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             server_url=server.url,
             base_model=server.base_model,
             registered_model=registry_config.registered_model,
+            key_file=server.key_file,
         )
         if checkpoint is None:
             checkpoint = Checkpoint(mlflow_run_id=ml.info.run_id)
@@ -444,7 +467,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                 run_id=checkpoint.mlflow_run_id,
             )
         else:
-            cancelled = _cancel_unfinished(server.url)
+            cancelled = _cancel_unfinished(server.url, server.key_file)
             log.info(
                 "resuming run %s after iteration %d (%d unfinished rollouts cancelled)",
                 run_name,
@@ -464,6 +487,10 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         for it in range(checkpoint.iteration + 1, config.iterations + 1):
             checkpoint = train_iteration.with_options(flow_run_name=f"iteration-{it}")(
                 config=config, run=run, checkpoint=checkpoint, iteration=it
+            )
+            # Restarts of the policy server so far (it is brought back when it dies).
+            log_metrics_once(
+                {"server/restarts": server.restarts}, step=it, run_id=checkpoint.mlflow_run_id
             )
             update_progress_artifact(bar, progress=100.0 * it / config.iterations)
             _iterations_table(agent, run_name, checkpoint.history)
@@ -488,7 +515,10 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             checkpoint.policy,
             config.iterations,
             final.score,
-            checkpoint.mlflow_run_id,
+            # None only from a checkpoint written before scores had one: refused, with why.
+            benchmark_id=final.benchmark_id or "",
+            benchmark_size=final.tasks,
+            run_id=checkpoint.mlflow_run_id,
         )
         log.info("registry: %s", decision.reason)
 

@@ -16,8 +16,11 @@ tokens, reward 0 and a NULL advantage. The `transitions` view leaves placeholder
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
@@ -30,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lightning_core.errors import InvalidInput, NotFound
+from lightning_core.errors import DiskFull, InvalidInput, NotFound
 from lightning_core.types import FiniteFloat, Transition
 
 # The step of the single row that stands for a rollout without any transition.
@@ -236,7 +239,8 @@ def _write_atomically(table: pa.Table, path: Path) -> None:
 def export_iteration(root: Path, iteration: int, rows: list[dict[str, Any]] | pd.DataFrame) -> Path:
     """Write an iteration's rows to `root/transitions/iteration=<k>/part-0.parquet`.
 
-    Exporting an iteration again replaces its file whole, so a retried task is harmless.
+    Exporting an iteration again replaces its file whole, so a retried task is harmless. A full
+    disk raises DiskFull and leaves every file as it was, the iteration's earlier export included.
     """
     if iteration < 0:
         raise InvalidInput(f"iteration must be >= 0, got {iteration}")
@@ -253,9 +257,33 @@ def export_iteration(root: Path, iteration: int, rows: list[dict[str, Any]] | pd
             f"export rows of iteration {iteration} have a wrong type: {exc}"
         ) from exc
     path = Path(root) / "transitions" / f"iteration={iteration}" / PART_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(table, path)
+    new_folder = not path.parent.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(table, path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        if new_folder:  # an empty partition folder would only puzzle whoever looks
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+        raise DiskFull(_disk_full_message(path, iteration)) from exc
     return path
+
+
+def _disk_full_message(path: Path, iteration: int) -> str:
+    root = path.parents[2]
+    free = "unknown"
+    with contextlib.suppress(OSError):
+        # The nearest folder that exists is on the disk that filled up.
+        existing = next(p for p in path.parents if p.exists())
+        free = f"{shutil.disk_usage(existing).free:,}"
+    return (
+        f"no space left on the disk of {root} ({free} bytes free) to export iteration "
+        f"{iteration}; nothing half-written was left and earlier exports are untouched. Free "
+        "space there (or give the run a run_dir on a larger disk) and run it again: a training "
+        "run continues from its last finished iteration with `lightning-rl train --resume <run>`"
+    )
 
 
 def exported_iterations(root: Path) -> list[int]:

@@ -25,6 +25,21 @@ def _gateway_error(path: str, status: int, kind: str, message: str) -> JSONRespo
     return error_response(path, status, kind, message)
 
 
+def _gateway_details(gateway: Gateway) -> dict[str, Any]:
+    backend = gateway.backend
+    details = {
+        "backend": type(backend).__name__,
+        "base_model": backend.base_model,
+        "adapters_loaded": len(backend.adapters()),
+    }
+    # The transformers backend counts its decoding and waiting sequences; vLLM has its own
+    # /metrics for that.
+    stats = getattr(backend, "stats", None)
+    if callable(stats):
+        details["backend_stats"] = stats()
+    return details
+
+
 def create_app(
     store: DuckDBStore,
     api_key: str | None = None,
@@ -46,6 +61,7 @@ def create_app(
         on_start=getattr(gateway.backend, "start", None),
         on_close=gateway.backend.close,
         error_body=_gateway_error,
+        details=lambda: _gateway_details(gateway),
         description="The LightningStore (rollouts, spans, transitions, OTLP traces) and the "
         "policy gateway (OpenAI chat, completions and responses; Anthropic messages).",
     )

@@ -164,16 +164,20 @@ def status(
     server: Annotated[
         str, typer.Option(help="Root URL of a running `lightning-rl serve`.")
     ] = "http://127.0.0.1:4747",
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LIGHTNING_API_KEY", help="The server's API key.")
+    ] = None,
 ) -> None:
-    """Count a store's rollouts by status (API key from LIGHTNING_API_KEY)."""
+    """Count a store's rollouts by status."""
     import asyncio
     from collections import Counter
 
     from lightning_core.store.client import HttpStoreClient
 
     async def count() -> Counter[str]:
-        client = HttpStoreClient(server)
+        client = HttpStoreClient(server, api_key=api_key)
         try:
+            await client.check()
             return Counter(r.status.value for r in await client.query_rollouts())
         finally:
             await client.close()
@@ -314,8 +318,8 @@ async def _run_agent(agent, server, config, api_key, max_rollouts):
 
     client = HttpStoreClient(server, api_key=api_key)
     try:
-        # Unreachable server or refused key: say so before taking any work.
-        await client.query_rollouts(limit=1)
+        # Unreachable server or refused key: say so at once, before taking any work.
+        await client.check()
         worker = Runner(agent, client, server, config, api_key=api_key, on_attempt=report)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop, max_rollouts))

@@ -12,6 +12,10 @@ class LightningError(Exception):
 
     status_code = 400
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers to answer with, beside the status and the body."""
+        return {}
+
 
 class InvalidInput(LightningError):
     status_code = 400
@@ -41,6 +45,27 @@ class Unauthorized(LightningError):
     status_code = 401
 
 
+class RateLimited(LightningError):
+    """Past a limit on calls (gateway/limits.py). `retry` says whether the same call may pass
+    later (too many at once) or never will (a spent budget); clients read it from the
+    `x-should-retry` header, which the OpenAI and Anthropic SDKs obey."""
+
+    status_code = 429
+
+    def __init__(self, message: str, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+    def headers(self) -> dict[str, str]:
+        return {"x-should-retry": "true" if self.retry else "false"}
+
+
+class DiskFull(LightningError):
+    """A write found its disk full (or the user's quota spent); what was written before stands."""
+
+    status_code = 507
+
+
 class StoreUnavailable(LightningError):
     """The store server cannot be reached or answered with a server error."""
 
@@ -57,6 +82,8 @@ ERRORS_BY_NAME: dict[str, type[LightningError]] = {
         Conflict,
         PayloadTooLarge,
         Unauthorized,
+        RateLimited,
+        DiskFull,
         StoreUnavailable,
     )
 }

@@ -4,12 +4,18 @@ Evaluation rollouts run like training ones (same agent, same gateway, spans stor
 mode and greedy, so a score measures the policy rather than the sampler. A benchmark of a few
 hundred tasks is small: the score comes with a Wilson 95 % interval, which behaves near 0 and 1
 where the normal approximation does not.
+
+Every score names its benchmark: a content hash of the tasks and of what makes the measure
+(agent, success threshold, sampling, attempts), so that two scores are compared only when they
+measure the same thing (the promotion rule, lightning_rl.registry.promotion).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import AliasChoices, BaseModel, Field
@@ -19,6 +25,12 @@ from lightning_core.store.base import LightningStore
 from lightning_core.types import Rollout, RolloutMode, RolloutRequest, RolloutStatus
 
 Z_95 = 1.959963984540054
+# How evaluation rollouts run: greedy, so the score measures the policy rather than the sampler;
+# a second attempt only for a rollout whose agent failed (not for a wrong answer).
+EVAL_SAMPLING: dict[str, Any] = {"temperature": 0.0}
+EVAL_MAX_ATTEMPTS = 2
+# Hex digits of the benchmark id: 64 bits, short enough for a tag key, far from collisions.
+_BENCHMARK_ID_CHARS = 16
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
@@ -36,7 +48,12 @@ class EvalResult(BaseModel):
     """A policy's score on a benchmark."""
 
     policy_version: str = Field(description="The policy evaluated.")
-    tasks: int = Field(description="Benchmark tasks run.")
+    tasks: int = Field(description="Benchmark tasks run: the benchmark's size.")
+    benchmark_id: str | None = Field(
+        None,
+        description="What the score was measured on (benchmark_id()); scores of different ids "
+        "are never compared. None: scored before benchmarks had ids (an older checkpoint).",
+    )
     successes: int = Field(description="Rollouts whose episode return reached the threshold.")
     score: float = Field(
         # Runs before the glossary's renames wrote `accuracy`; their summaries still load.
@@ -70,10 +87,45 @@ class EvalResult(BaseModel):
         )
 
 
+def benchmark_id(
+    tasks: Sequence[Mapping[str, Any]],
+    *,
+    agent: str,
+    threshold: float,
+    sampling: Mapping[str, Any] = EVAL_SAMPLING,
+    max_attempts: int = EVAL_MAX_ATTEMPTS,
+) -> str:
+    """The id of a benchmark: a hash of its tasks' content and of what defines the measure.
+
+    The tasks count as a multiset (their order does not change a score); `agent` is the
+    agent's reference (a profile's `module:function`), which plays them; `threshold` the
+    episode return that counts as a success. The rollout timeout and concurrency are left out:
+    they decide how fast a benchmark runs, not what it measures.
+    """
+    tasks_digests = sorted(_digest(task) for task in tasks)
+    spec = {
+        "tasks": tasks_digests,
+        "agent": agent,
+        "success_threshold": float(threshold),
+        "sampling": dict(sampling),
+        "max_attempts": max_attempts,
+    }
+    return _digest(spec)[:_BENCHMARK_ID_CHARS]
+
+
+def _digest(value: Any) -> str:
+    # Canonical JSON: keys sorted, no whitespace, anything JSON lacks (a date) as its str().
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def score_rollouts(
-    policy_version: str, rollouts: Sequence[Rollout], threshold: float = 1.0
+    policy_version: str,
+    rollouts: Sequence[Rollout],
+    threshold: float = 1.0,
+    benchmark: str | None = None,
 ) -> EvalResult:
-    """The score of finished evaluation rollouts."""
+    """The score of finished evaluation rollouts (of the benchmark whose id is `benchmark`)."""
     n = len(rollouts)
     rewards = [
         (r.episode_return or 0.0) if r.status is RolloutStatus.succeeded else 0.0 for r in rollouts
@@ -83,6 +135,7 @@ def score_rollouts(
     return EvalResult(
         policy_version=policy_version,
         tasks=n,
+        benchmark_id=benchmark,
         successes=successes,
         score=successes / n if n else 0.0,
         ci_low=low,
@@ -96,11 +149,10 @@ def score_rollouts(
 def eval_requests(
     tasks: Sequence[dict[str, Any]],
     policy_version: str,
-    sampling: dict[str, Any] | None = None,
-    max_attempts: int = 2,
+    sampling: Mapping[str, Any] = EVAL_SAMPLING,
+    max_attempts: int = EVAL_MAX_ATTEMPTS,
 ) -> list[RolloutRequest]:
     """Greedy test-mode rollouts of `tasks` (each a dict with an "id")."""
-    sampling = {"temperature": 0.0, **(sampling or {})}
     return [
         RolloutRequest(
             input=task,
@@ -108,7 +160,7 @@ def eval_requests(
             mode=RolloutMode.test,
             policy_version=policy_version,
             max_attempts=max_attempts,
-            metadata={"sampling": sampling, "purpose": "evaluation"},
+            metadata={"sampling": dict(sampling), "purpose": "evaluation"},
         )
         for task in tasks
     ]
@@ -121,10 +173,14 @@ async def evaluate(
     policy_version: str,
     threshold: float = 1.0,
     timeout: float | None = None,
+    *,
+    agent: str,
 ) -> EvalResult:
-    """Run `tasks` greedily on `policy_version` with `runner` and score them."""
+    """Run `tasks` greedily on `policy_version` with `runner` (playing `agent`, its reference)
+    and score them; the result names the benchmark they make."""
     queued = await store.enqueue_rollouts(eval_requests(tasks, policy_version))
     ids = [r.rollout_id for r in queued]
     await runner.run_until_done(ids, timeout=timeout)
     finished = await store.query_rollouts(rollout_ids=ids)
-    return score_rollouts(policy_version, finished, threshold)
+    benchmark = benchmark_id(tasks, agent=agent, threshold=threshold)
+    return score_rollouts(policy_version, finished, threshold, benchmark)

@@ -168,7 +168,10 @@ def ensure_tracing(store: LightningStore, api_key: str | None = None) -> TracerP
     """
     global _traced_target, _traced_provider
     if isinstance(store, HttpStoreClient):
-        target: tuple[Any, ...] = ("otlp", store.url)
+        key = api_key if api_key is not None else store.api_key
+        # The key is part of the target: a server restarted on the same port with a new key
+        # needs a new exporter.
+        target: tuple[Any, ...] = ("otlp", store.url, key)
     else:
         target = ("in-process", store, asyncio.get_running_loop())
     if _traced_provider is not None and target == _traced_target:
@@ -177,8 +180,7 @@ def ensure_tracing(store: LightningStore, api_key: str | None = None) -> TracerP
     # raises rather than answers "absent" when no OpenInference package is installed at all.
     instrument = importlib.util.find_spec("openinference") is not None
     if isinstance(store, HttpStoreClient):
-        key = api_key if api_key is not None else os.environ.get("LIGHTNING_API_KEY")
-        provider = tracing.setup_tracing(store.url, api_key=key, instrument=instrument)
+        provider = tracing.setup_tracing(store.url, api_key=target[2], instrument=instrument)
     else:
         provider = tracing.setup_tracing(store=store, loop=target[2], instrument=instrument)
     if _traced_provider is not None:
@@ -272,8 +274,9 @@ class Runner:
     """Runs `agent` on the rollouts of `store`'s queue, `config.concurrency` attempts at a time.
 
     `gateway_url` is the root URL of the server whose gateway serves the policy (the store's own
-    server); `api_key` is handed to agents for it and used for OTLP. `on_attempt` is called with
-    each finished attempt's AttemptResult, for progress reporting.
+    server); `api_key` is handed to agents for it and used for OTLP (None: the key of `store`,
+    when it is an HttpStoreClient). `on_attempt` is called with each finished attempt's
+    AttemptResult, for progress reporting.
     """
 
     def __init__(
@@ -291,6 +294,8 @@ class Runner:
         self.store = store
         self.gateway_url = gateway_url.rstrip("/")
         self.config = config or RunnerConfig()
+        if api_key is None and isinstance(store, HttpStoreClient):
+            api_key = store.api_key
         self.api_key = api_key
         self.on_attempt = on_attempt
         # Over every run of this runner, so that a run that was cancelled still counts.

@@ -6,17 +6,25 @@ Started from this interpreter (so the child runs the same installation), waited 
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning_core.errors import StoreUnavailable
+from lightning_core.errors import LightningError, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+# Restarts of one supervised server over its whole life: a server that dies once in a long run
+# is brought back; one that keeps dying (a broken model, a full disk) fails the run.
+MAX_RESTARTS = 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -26,16 +34,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """Run in the child before exec: SIGINT it when the process that started it dies, even by
-    SIGKILL (Linux; elsewhere nothing). A policy server outliving a killed flow would keep its
-    store file locked, and a resumed run could not open it."""
+def die_with_parent(sig: int = signal.SIGINT) -> None:
+    """Run in the child before exec: send it `sig` when the thread that started it ends, the
+    process with it, even by SIGKILL (Linux; elsewhere nothing). A policy server outliving a
+    killed flow would keep its store file locked, and a resumed run could not open it."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGINT)
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig)
 
 
 def serve_command(db: str | Path, port: int, *options: str) -> list[str]:
@@ -58,8 +66,11 @@ def start_serve(
     *options: str,
     timeout: float = 120.0,
     preexec_fn: Callable[[], None] | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """Start the server and return once it answers; its output goes to `proc.log_path`."""
+    """Start the server and return once it answers; its output goes to `proc.log_path`.
+    `env` replaces the child's environment (an API key goes there, never on its command line,
+    which any user of the machine can read)."""
     # A file, not a pipe: a pipe nobody reads would block the server once it filled up.
     with tempfile.NamedTemporaryFile(prefix="lightning-serve-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(
@@ -67,6 +78,7 @@ def start_serve(
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=preexec_fn,
+            env=env,
         )
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout
@@ -100,3 +112,79 @@ def _tail(proc: subprocess.Popen, lines: int = 20) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+class Supervised:
+    """A `lightning-rl serve` child that is started again, the same way, when it dies unasked.
+
+    `start` starts it and returns once it answers (start_serve with its store file, port and
+    options bound), so a restarted server has the same URL, store and key, and its clients only
+    see it gone for the seconds it takes to start: they wait that long (HttpStoreClient's
+    retry_s). The store comes back with every acknowledged write (its DuckDB file), the gateway
+    with every registered policy version (loaded on first use). After `max_restarts` restarts
+    the server stays down and `failure` says why.
+    """
+
+    def __init__(self, start: Callable[[], subprocess.Popen], max_restarts: int = MAX_RESTARTS):
+        self._start = start
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.failure: str | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.proc = start()
+        # The thread that starts a restarted child must outlive it: die_with_parent signals the
+        # child when that thread ends. This one waits on the child until it exits.
+        self._watcher = threading.Thread(
+            target=self._watch, name="lightning-serve-supervisor", daemon=True
+        )
+        self._watcher.start()
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.proc.log_path)  # type: ignore[attr-defined]
+
+    def _watch(self) -> None:
+        while True:
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            tail = _tail(self.proc)
+            if self.restarts >= self.max_restarts:
+                self.failure = (
+                    f"the policy server exited ({code}) after {self.restarts} restarts, the most "
+                    f"allowed (max_restarts={self.max_restarts}); its log ({self.log_path}) "
+                    f"ends with:\n{tail}"
+                )
+                log.error("%s", self.failure)
+                return
+            self.restarts += 1
+            log.warning(
+                "the policy server exited (%s); restarting it on the same store and port "
+                "(restart %d of at most %d); its log (%s) ends with:\n%s",
+                code,
+                self.restarts,
+                self.max_restarts,
+                self.log_path,
+                tail,
+            )
+            try:
+                proc = self._start()
+            except LightningError as exc:
+                self.failure = f"the policy server could not be restarted: {exc}"
+                log.error("%s", self.failure)
+                return
+            with self._lock:
+                if self._stopping.is_set():  # stopped while it restarted
+                    stop_serve(proc)
+                    return
+                self.proc = proc
+            log.warning("the policy server is back (log: %s)", self.log_path)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """Stop the server for good (cleanly) and its supervision with it."""
+        self._stopping.set()
+        with self._lock:
+            code = stop_serve(self.proc, timeout)
+        self._watcher.join(timeout)
+        return code

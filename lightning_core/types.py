@@ -107,6 +107,13 @@ class RolloutRequest(_Model):
     """What the algorithm side enqueues; the store turns it into a Rollout."""
 
     input: Any = Field(description="The task payload handed to the agent (any JSON value).")
+    rollout_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="Id to enqueue the rollout under; a request whose id the store knows is "
+        "answered with that rollout instead of enqueuing another, so an enqueue whose answer "
+        "was lost can be sent again. None: the store picks one.",
+    )
     task_id: str | None = Field(None, description="Id of the task this rollout runs.")
     group_id: str | None = Field(
         None, description="Rollouts of one group share a baseline for grouped advantages (GRPO)."

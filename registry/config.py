@@ -40,6 +40,19 @@ class RegistryConfig(BaseModel):
         description="Score the first version needs to become champion when there is none; set "
         "it to the base model's score so that only an adapter that helps gets served.",
     )
+    lock_ttl_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds a promotion may hold the registry's promotion lock before others "
+        "take it over as abandoned (its holder crashed); far above a promotion's few seconds. "
+        "Machines sharing the tracking server must agree on the time to well within it.",
+    )
+    lock_wait_s: float = Field(
+        600.0,
+        ge=0,
+        description="Seconds a promotion waits for the promotion lock (another promotion of "
+        "the same registered model) before it fails, to be retried.",
+    )
 
 
 def resolve(config: RegistryConfig | None, registered_model: str) -> RegistryConfig:

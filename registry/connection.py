@@ -1,4 +1,5 @@
-"""Which MLflow: the tracking URI a config resolves to, a client on it, and its experiment.
+"""Which MLflow: the tracking URI a config resolves to, a client on it, and its experiment;
+and a tracking server that cannot be reached, told apart from MLflow's other errors.
 
 The client also sets the process's tracking and registry URIs, because MLflow's fluent calls
 (start_run, Model.log, register_model) read those rather than take a client.
@@ -6,15 +7,25 @@ The client also sets the process's tracking and registry URIs, because MLflow's 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
+import requests
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
+from lightning_core.errors import LightningError
 from lightning_rl.registry.config import DEFAULT_TRACKING_URI, RegistryConfig
+
+
+class RegistryUnavailable(LightningError):
+    """The MLflow tracking server cannot be reached (down, or refusing connections)."""
+
+    status_code = 503
 
 
 def tracking_uri(config: RegistryConfig) -> str:
@@ -56,3 +67,45 @@ def experiment_id(client: MlflowClient, config: RegistryConfig) -> str:
             raise
         # Another run created it between the lookup and the create.
         return client.get_experiment_by_name(config.experiment).experiment_id
+
+
+def filter_literal(value: str) -> str | None:
+    """`value` quoted for an MLflow filter string; None when it holds both quote characters,
+    which MLflow's filters cannot write (they have no escapes): match it in Python instead."""
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{quote}{value}{quote}"
+    return None
+
+
+def _unreachable(error: BaseException) -> bool:
+    # MLflow's REST client wraps what `requests` raised, after its own retries, in a plain
+    # MlflowException without `from`: the cause is in the context chain.
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(
+            seen,
+            requests.exceptions.ConnectionError
+            | requests.exceptions.Timeout
+            | requests.exceptions.RetryError,
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@contextlib.contextmanager
+def reachable(uri: str, doing: str) -> Iterator[None]:
+    """Turn a tracking server that cannot be reached, while `doing` (what, in words), into
+    RegistryUnavailable with what to do about it; other errors pass unchanged."""
+    try:
+        yield
+    except (MlflowException, requests.exceptions.RequestException) as e:
+        if not _unreachable(e):
+            raise
+        raise RegistryUnavailable(
+            f"the MLflow tracking server at {uri} cannot be reached while {doing}: "
+            f"{str(e).splitlines()[0][:300]}. Start it (or point registry.tracking_uri, or "
+            "MLFLOW_TRACKING_URI, at a running one); doing it again then finishes what was "
+            "cut short, without a second version"
+        ) from e

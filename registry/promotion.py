@@ -3,7 +3,9 @@ version replaces the champion, and why; and the decision as the version tags tha
 
 The champion moves to a new version only when its held-out score beats the champion's by a
 margin: a gate, so that noise in a small benchmark cannot swap the served model back and forth.
-No MLflow here: versions.py reads the registry, asks this module, and writes the answer.
+Only scores on the same benchmark (lightning_core.evaluation.benchmark_id) are compared: a
+champion without a score on the new version's benchmark stays, and the reason says how to score
+it there. No MLflow here: versions.py reads the registry, asks this module, and writes the answer.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from lightning_rl.registry.names import (
     NONE,
     PROMOTED,
     REJECTED,
+    TAG_BENCHMARK_ID,
     TAG_CHAMPION_SCORE,
     TAG_CHAMPION_VERSION,
     TAG_DECISION,
+    TAG_DECISION_BENCHMARK,
     TAG_REASON,
     TAG_SCORE,
+    score_tag,
 )
 
 # Scores are fractions in floating point (0.72 - 0.70 is 0.0199999...): without slack a gain of
@@ -39,11 +44,16 @@ class PromotionDecision(BaseModel):
     reason: str = Field(description="Why, in words, with both scores.")
     challenger_score: float = Field(description="Held-out score of the new version.")
     champion_score: float | None = Field(
-        description="Held-out score of the champion at decision time; None when there was none."
+        description="Held-out score of the champion at decision time, on the challenger's "
+        "benchmark; None when there was no champion, or it had no score there."
     )
     challenger_version: str | None = Field(None, description="Registry version decided on.")
     champion_version: str | None = Field(
         None, description="Champion's version before the decision; None when there was none."
+    )
+    benchmark_id: str | None = Field(
+        None,
+        description="The benchmark both scores are on; None: decided before scores had one.",
     )
 
 
@@ -74,20 +84,44 @@ def decide_promotion(
     )
 
 
+def benchmark_score(tags: Mapping[str, str], benchmark_id: str) -> float | None:
+    """A version's score on benchmark `benchmark_id`, from its tags: the score it was registered
+    with if that was measured there, else one recorded since (score_tag); None if it has none.
+
+    A score without a benchmark id (a version registered before ids existed) is on no known
+    benchmark: never this one.
+    """
+    raw = tags.get(TAG_SCORE) if tags.get(TAG_BENCHMARK_ID) == benchmark_id else None
+    if raw is None:
+        raw = tags.get(score_tag(benchmark_id))
+    try:
+        score = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return score if score is not None and math.isfinite(score) else None
+
+
 def decide_version(
-    challenger_version: str,
+    challenger_version: str | None,
     challenger_score: float,
     champion_version: str | None,
     champion_score: float | None,
     margin: float,
     threshold: float,
+    *,
+    benchmark_id: str,
+    benchmark_size: int | None = None,
 ) -> PromotionDecision:
-    """The decision on a registered version, given the champion as the registry has it.
+    """The decision on a version scored `challenger_score` on benchmark `benchmark_id` (of
+    `benchmark_size` tasks), given the champion as the registry has it.
 
     The gate (decide_promotion), except that a version never competes with itself, and that a
-    champion without a score (one aliased by hand) is kept: replacing it blindly could serve a
-    worse model. `champion_version` None: there is no champion; `champion_score` None with a
-    champion: it has no score. The decision names both versions.
+    champion without a score on this benchmark (scored on another, registered before benchmarks
+    had ids, or aliased by hand) is kept: comparing scores of different measures, or replacing
+    it blindly, could serve a worse model. `champion_version` None: there is no champion;
+    `champion_score`: the champion's score on `benchmark_id` (benchmark_score), None if it has
+    none. `challenger_version` None: a version about to be registered. The decision names both
+    versions and the benchmark.
     """
     if champion_version is not None and champion_version == challenger_version:
         decision = PromotionDecision(
@@ -97,17 +131,24 @@ def decide_version(
             champion_score=champion_score,
         )
     elif champion_version is not None and champion_score is None:
+        size = f" --eval-size {benchmark_size}" if benchmark_size else ""
         decision = PromotionDecision(
             promote=False,
-            reason=f"champion v{champion_version} has no numeric {TAG_SCORE} tag to compare "
-            "with; tag it, or move the alias by hand",
+            reason=f"champion v{champion_version} has no score on benchmark {benchmark_id}, so "
+            f"score {challenger_score:.4g} is not compared and the champion stays; score it "
+            f"there with `lightning-rl eval --policy champion{size}` (the same agent and task "
+            "source), and the next promotion compares",
             challenger_score=challenger_score,
             champion_score=None,
         )
     else:
         decision = decide_promotion(challenger_score, champion_score, margin, threshold)
     return decision.model_copy(
-        update={"challenger_version": challenger_version, "champion_version": champion_version}
+        update={
+            "challenger_version": challenger_version,
+            "champion_version": champion_version,
+            "benchmark_id": benchmark_id,
+        }
     )
 
 
@@ -120,6 +161,7 @@ def decision_tags(decision: PromotionDecision) -> dict[str, str]:
         TAG_REASON: decision.reason,
         TAG_CHAMPION_SCORE: NONE if champion_score is None else repr(champion_score),
         TAG_CHAMPION_VERSION: decision.champion_version or NONE,
+        TAG_DECISION_BENCHMARK: decision.benchmark_id or NONE,
     }
 
 
@@ -130,6 +172,8 @@ def recorded_decision(version: str, tags: Mapping[str, str]) -> PromotionDecisio
         decision, reason, score = tags[TAG_DECISION], tags[TAG_REASON], float(tags[TAG_SCORE])
         champion_score = tags[TAG_CHAMPION_SCORE]
         champion_version = tags[TAG_CHAMPION_VERSION]
+        # Absent from decisions recorded before scores had a benchmark.
+        benchmark = tags.get(TAG_DECISION_BENCHMARK, NONE)
         if decision not in (PROMOTED, REJECTED):
             return None
         return PromotionDecision(
@@ -139,6 +183,7 @@ def recorded_decision(version: str, tags: Mapping[str, str]) -> PromotionDecisio
             champion_score=None if champion_score == NONE else float(champion_score),
             challenger_version=version,
             champion_version=None if champion_version == NONE else champion_version,
+            benchmark_id=None if benchmark == NONE else benchmark,
         )
     except (KeyError, ValueError):
         return None

@@ -39,7 +39,7 @@ def tracking(
 
     `run_id` resumes that run instead of starting one: a flow run resumed after a crash keeps
     its MLflow run, so that its metrics continue there and registering its adapter again finds
-    the version it registered before (register_adapter is idempotent per run).
+    the version it registered before (register_policy_version is idempotent per run).
     """
     client = mlflow_client(config)
     experiment = experiment_id(client, config)
@@ -104,6 +104,13 @@ def log_metrics_once(
     if values:
         mlflow.log_metrics(values, step=step, run_id=run_id)
     return values
+
+
+def set_run_tags(tags: Mapping[str, str], run_id: str) -> None:
+    """Set tags on the run: facts about it that, unlike params, may change (a resumed run)."""
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
 
 
 def log_artifact(path: str | Path, run_id: str, folder: str | None = None) -> None:

@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lightning_core import analytics
 from lightning_core.collect import Collected
+from lightning_core.errors import DiskFull
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:
@@ -19,11 +20,23 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not math.isnan(v)}
 
 
+def _worth_retrying(task: Any, run: Any, state: Any) -> bool:
+    # A full disk stays full for the next try: fail at once with DiskFull's advice.
+    try:
+        state.result()
+    except DiskFull:
+        return False
+    except Exception:
+        return True
+    return True
+
+
 # Retries are safe: re-exporting an iteration replaces its file whole.
 @task(
     name="analyze-iteration",
     retries=2,
     retry_delay_seconds=2,
+    retry_condition_fn=_worth_retrying,
     timeout_seconds=600,
     cache_policy=NO_CACHE,
 )

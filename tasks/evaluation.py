@@ -10,9 +10,9 @@ from prefect.cache_policies import NO_CACHE
 
 from lightning_core.evaluation import EvalResult, evaluate
 from lightning_core.runner import AttemptResult
-from lightning_core.store.client import HttpStoreClient
 from lightning_rl.tasks import progress
 from lightning_rl.tasks.rollouts import make_runner
+from lightning_rl.tasks.server import store_client
 
 
 @task(
@@ -31,6 +31,7 @@ async def evaluate_policy(
     rollout_timeout_s: float,
     success_threshold: float = 1.0,
     run_dir: str | None = None,
+    key_file: str | None = None,
 ) -> EvalResult:
     """Greedy rollouts of every held-out task on `policy_version`; the score with its 95 % CI."""
 
@@ -38,8 +39,8 @@ async def evaluate_policy(
         if run_dir is not None:
             progress.report(run_dir, "eval", policy=policy_version, total=len(tasks))
 
-    async with HttpStoreClient(server_url) as store:
+    async with store_client(server_url, key_file) as store:
         runner = make_runner(
             agent, store, server_url, concurrency, rollout_timeout_s, policy_version, on_attempt
         )
-        return await evaluate(store, runner, tasks, policy_version, success_threshold)
+        return await evaluate(store, runner, tasks, policy_version, success_threshold, agent=agent)

@@ -25,9 +25,9 @@ def _transient(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bo
 
 
 # Retries are safe: registration is idempotent per (MLflow run, policy version), so a retry
-# after a lost connection or a timeout finds the version the attempt registered, and finishes
-# its promotion, rather than registering a second version. (The attempt has stopped by then:
-# the timeout interrupts it in the thread the retry runs in.)
+# after a lost connection (RegistryUnavailable) or a timeout finds the version the attempt
+# registered, and finishes its alias moves, rather than registering a second version. (The
+# attempt has stopped by then: the timeout interrupts it in the thread the retry runs in.)
 @task(
     name="register-policy",
     retries=2,
@@ -43,9 +43,12 @@ def register_policy(
     policy_version: str,
     iteration: int,
     score: float,
+    benchmark_id: str,
+    benchmark_size: int,
     run_id: str,
 ) -> PromotionDecision:
-    """New registered model version (alias challenger); champion moves only past the gate.
+    """New registered model version (alias challenger); champion moves only past the gate,
+    comparing scores on benchmark `benchmark_id` (of `benchmark_size` tasks) only.
 
     `run_id` is the flow's MLflow run, which the version is logged in and recognised by: the
     same policy version registered again from that run returns the first decision.
@@ -57,5 +60,7 @@ def register_policy(
         policy_version=policy_version,
         iteration=iteration,
         score=score,
+        benchmark_id=benchmark_id,
+        benchmark_size=benchmark_size,
         run_id=run_id,
     )

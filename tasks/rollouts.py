@@ -17,6 +17,7 @@ from lightning_core.runner import AttemptResult, Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest
 from lightning_rl.tasks import progress
+from lightning_rl.tasks.server import store_client
 
 
 def make_runner(
@@ -28,7 +29,8 @@ def make_runner(
     default_model: str,
     on_attempt: Callable[[AttemptResult], None] | None = None,
 ) -> Runner:
-    """A Runner of `agent` (a reference) on the server's queue, as the flow's tasks use it."""
+    """A Runner of `agent` (a reference) on the server's queue, as the flow's tasks use it;
+    its agents and spans use `store`'s API key."""
     config = RunnerConfig(
         concurrency=concurrency,
         rollout_timeout_s=rollout_timeout_s,
@@ -63,13 +65,15 @@ def plan_rollouts(
     seed: int | None = None,
     iteration: int = 0,
     first_index: int = 0,
+    key_file: str | None = None,
 ) -> list[str]:
     """Queue G rollouts per task on the current policy; the ids of the queued rollouts.
 
     With the run's `seed`, each rollout samples with a seed of its own (`rollout_seed`), so
     that a repeated run samples the same rollouts, and the G of a group still differ.
     `first_index` is the place of this plan's first rollout in the iteration (a later round of
-    dynamic sampling continues where the earlier ones stopped).
+    dynamic sampling continues where the earlier ones stopped). `key_file` holds the server's
+    API key (tasks/server.py), here and in every task that talks to the server.
     """
     requests = [
         RolloutRequest(
@@ -88,7 +92,7 @@ def plan_rollouts(
     ]
 
     async def enqueue() -> list[str]:
-        async with HttpStoreClient(server_url) as store:
+        async with store_client(server_url, key_file) as store:
             return [r.rollout_id for r in await store.enqueue_rollouts(requests)]
 
     return asyncio.run(enqueue())
@@ -112,6 +116,7 @@ async def run_rollouts(
     default_model: str,
     run_dir: str | None = None,
     stage: str = "rollout",
+    key_file: str | None = None,
 ) -> dict[str, int]:
     """One rollout worker: run agents on queued rollouts until all of `rollout_ids` are done.
 
@@ -124,7 +129,7 @@ async def run_rollouts(
         if run_dir is not None:
             progress.report(run_dir, stage, worker=worker, status=str(result.status), total=total)
 
-    async with HttpStoreClient(server_url) as store:
+    async with store_client(server_url, key_file) as store:
         runner = make_runner(
             agent, store, server_url, concurrency, rollout_timeout_s, default_model, on_attempt
         )
@@ -140,12 +145,16 @@ async def run_rollouts(
     cache_policy=NO_CACHE,
 )
 def collect_transitions(
-    server_url: str, rollout_ids: list[str], adapter: AdapterConfig, credit: CreditConfig
+    server_url: str,
+    rollout_ids: list[str],
+    adapter: AdapterConfig,
+    credit: CreditConfig,
+    key_file: str | None = None,
 ) -> Collected:
     """Spans to transitions with LightningRL credit and group advantages, stored back."""
 
     async def gather() -> Collected:
-        async with HttpStoreClient(server_url) as store:
+        async with store_client(server_url, key_file) as store:
             rollouts = await store.query_rollouts(rollout_ids=rollout_ids)
             spans = await store.query_spans(rollout_ids, "latest")
             collected = collect(rollouts, spans, adapter, credit)

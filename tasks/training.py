@@ -25,8 +25,8 @@ from prefect.concurrency.sync import concurrency
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.errors import Conflict
-from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import PolicyVersion, Transition
+from lightning_rl.tasks.server import store_client
 
 # The global concurrency limit that serialises accelerator work across flow runs.
 GPU_LIMIT = "gpu"
@@ -206,7 +206,12 @@ def _policy_versions(
     cache_policy=NO_CACHE,
 )
 def publish_policy(
-    server_url: str, name: str, base_model: str, adapter_dir: str, iteration: int
+    server_url: str,
+    name: str,
+    base_model: str,
+    adapter_dir: str,
+    iteration: int,
+    key_file: str | None = None,
 ) -> str:
     """Register the adapter as policy version `name`: the gateway serves it by that name from
     the next request on (it loads the adapter on first use). A folder of per-agent adapters
@@ -215,7 +220,7 @@ def publish_policy(
     versions = _policy_versions(name, base_model, adapter_dir, iteration)
 
     async def add() -> str:
-        async with HttpStoreClient(server_url) as store:
+        async with store_client(server_url, key_file) as store:
             for version in versions:
                 try:
                     await store.add_policy_version(version)

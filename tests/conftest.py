@@ -67,17 +67,22 @@ class ThreadedServer:
 
 
 @contextlib.contextmanager
-def gateway_server(tool_format: str = "line", **backend_options: Any) -> Iterator[ThreadedServer]:
+def gateway_server(
+    tool_format: str = "line", gateway_options: dict[str, Any] | None = None, **backend_options: Any
+) -> Iterator[ThreadedServer]:
     """A store + gateway + transformers backend on loopback, for agents to run against; the
-    served base model's name is `.model`."""
+    served base model's name is `.model`, the store `.store`. `gateway_options` are more
+    GatewayConfig fields (limits, ...)."""
     from lightning_core.backends.transformers_backend import TransformersBackend
     from lightning_core.gateway.service import Gateway, GatewayConfig
 
     store = DuckDBStore(db=":memory:")
     backend = TransformersBackend(**backend_options)
-    gateway = Gateway(backend, store, GatewayConfig(tool_format=tool_format))
+    config = GatewayConfig(tool_format=tool_format, **(gateway_options or {}))
+    gateway = Gateway(backend, store, config)
     with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
         running.model = backend.base_model
+        running.store = store
         yield running
 
 

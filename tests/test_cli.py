@@ -15,21 +15,12 @@ import pytest
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest
 from tests.conftest import free_port
+from tests.helpers import run_cli
 from tests.test_durability import start_server
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    # No LIGHTNING_* settings leak in from the environment running the tests.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
-    env["COLUMNS"] = "200"  # rich cuts long option names in help at 80 columns
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_rl.flows.cli", *args],
-        capture_output=True,
-        text=True,
-        # Generous: `train` imports torch, Prefect and MLflow, slow on a busy 2-core machine.
-        timeout=180,
-        env=env,
-    )
+    return run_cli(*args)
 
 
 @pytest.mark.parametrize(

@@ -7,32 +7,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.conftest import free_port
+from tests.helpers import wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("prefect server did not become healthy")
 
 
 def test_train_deployment_runs_to_completed_through_a_worker(tmp_path):
@@ -61,7 +46,7 @@ def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> N
     )
     worker = None
     try:
-        _wait_healthy(api, server)
+        wait_healthy(api, server, what="prefect server")
 
         def prefect(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
             done = subprocess.run(

@@ -208,6 +208,8 @@ def test_promotion_rule_on_the_registry(trained):
             policy_version="e2e-v2",
             iteration=2,
             score=score,
+            benchmark_id=summary["final"]["benchmark_id"],
+            benchmark_size=summary["final"]["tasks"],
         )
 
     client = MlflowClient(config.tracking_uri)
@@ -238,7 +240,7 @@ def test_run_folder_has_config_summary_and_progress(trained):
 def test_evaluate_flow_scores_the_champion(trained, tmp_path):
     from lightning_rl.flows.evaluate import evaluate
 
-    _, config, _ = trained
+    summary, config, _ = trained
     result = evaluate(
         agent="tests.flow_agents:agent",
         tasks="tests.flow_agents:load_tasks",
@@ -253,6 +255,11 @@ def test_evaluate_flow_scores_the_champion(trained, tmp_path):
     champion = client.get_model_version_by_alias("flow-test", "champion")
     assert result["version"] == str(champion.version)
     assert result["tasks"] == 4 and 0.0 <= result["score"] <= 1.0
+    # 4 tasks, not the 6 training scored on: another benchmark, whose score the champion now
+    # carries for promotions measured there.
+    assert result["benchmark_id"] not in (None, summary["final"]["benchmark_id"])
+    assert champion.tags[f"eval.score.{result['benchmark_id']}"] == repr(result["score"])
+    assert champion.tags[f"eval.benchmark_size.{result['benchmark_id']}"] == "4"
     runs = client.search_runs(
         [client.get_experiment_by_name(config.experiment).experiment_id],
         filter_string="tags.kind = 'evaluation'",

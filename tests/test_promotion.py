@@ -1,4 +1,5 @@
-"""The promotion rule as pure functions: no MLflow, no registry, only scores and versions."""
+"""The promotion rule as pure functions: no MLflow, no registry, only scores, benchmarks and
+versions; and what makes a benchmark (lightning_core.evaluation.benchmark_id)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,27 @@ import sys
 import pytest
 
 from lightning_core.errors import InvalidInput
+from lightning_core.evaluation import benchmark_id
 from lightning_rl.registry.names import (
+    TAG_BENCHMARK_ID,
     TAG_CHAMPION_SCORE,
     TAG_CHAMPION_VERSION,
     TAG_DECISION,
+    TAG_DECISION_BENCHMARK,
     TAG_REASON,
     TAG_SCORE,
+    score_tag,
 )
 from lightning_rl.registry.promotion import (
     PromotionDecision,
+    benchmark_score,
     decide_promotion,
     decide_version,
     decision_tags,
     recorded_decision,
 )
+
+BENCH = "0123456789abcdef"
 
 
 @pytest.mark.parametrize(
@@ -77,42 +85,99 @@ def test_decide_promotion_refuses_a_score_that_is_no_number(bad):
 
 
 def test_decide_version_names_both_versions():
-    decision = decide_version("3", 0.8, "2", 0.7, margin=0.02, threshold=0.0)
+    decision = decide_version("3", 0.8, "2", 0.7, margin=0.02, threshold=0.0, benchmark_id=BENCH)
     assert decision.promote
     assert (decision.challenger_version, decision.champion_version) == ("3", "2")
-    first = decide_version("1", 0.1, None, None, margin=0.02, threshold=0.3)
+    first = decide_version("1", 0.1, None, None, margin=0.02, threshold=0.3, benchmark_id=BENCH)
     assert not first.promote and first.champion_version is None
     assert first.reason == decide_promotion(0.1, None, 0.02, 0.3).reason
 
 
 def test_a_version_does_not_compete_with_itself():
-    decision = decide_version("2", 0.9, "2", 0.9, margin=0.0, threshold=0.0)
+    decision = decide_version("2", 0.9, "2", 0.9, margin=0.0, threshold=0.0, benchmark_id=BENCH)
     assert not decision.promote and decision.reason == "already the champion"
     assert decision.champion_score == 0.9 and decision.champion_version == "2"
 
 
-def test_a_champion_without_a_score_is_kept():
-    # Even a perfect score does not replace a champion it cannot be compared with.
-    decision = decide_version("2", 1.0, "1", None, margin=0.0, threshold=0.0)
+def test_a_champion_without_a_score_on_the_benchmark_is_kept():
+    # Even a perfect score does not replace a champion it cannot be compared with; the reason
+    # says how to give the champion a score there.
+    decision = decide_version(
+        "2", 1.0, "1", None, margin=0.0, threshold=0.0, benchmark_id=BENCH, benchmark_size=50
+    )
     assert not decision.promote
-    assert decision.reason.startswith(f"champion v1 has no numeric {TAG_SCORE} tag")
+    assert decision.reason.startswith(f"champion v1 has no score on benchmark {BENCH}")
+    assert "`lightning-rl eval --policy champion --eval-size 50`" in decision.reason
     assert decision.champion_score is None and decision.champion_version == "1"
+    assert decision.benchmark_id == BENCH
+
+
+def test_a_score_counts_only_on_its_own_benchmark():
+    other = "fedcba9876543210"
+    registered = {TAG_SCORE: "0.7", TAG_BENCHMARK_ID: BENCH}
+    assert benchmark_score(registered, BENCH) == 0.7
+    assert benchmark_score(registered, other) is None
+    # Scored on the other benchmark since (`lightning-rl eval`): that score, there only.
+    rescored = {**registered, score_tag(other): "0.4"}
+    assert benchmark_score(rescored, other) == 0.4 and benchmark_score(rescored, BENCH) == 0.7
+    # Registered before scores had a benchmark: on none that can be named.
+    assert benchmark_score({TAG_SCORE: "0.7"}, BENCH) is None
+    assert benchmark_score({TAG_SCORE: "n/a", TAG_BENCHMARK_ID: BENCH}, BENCH) is None
+    assert benchmark_score({TAG_SCORE: "nan", TAG_BENCHMARK_ID: BENCH}, BENCH) is None
+
+
+def test_a_champion_scored_on_another_benchmark_is_never_compared():
+    # A champion at 0.2 on another benchmark: the gate would promote 0.9 if it compared.
+    champion_tags = {TAG_SCORE: "0.2", TAG_BENCHMARK_ID: "fedcba9876543210"}
+    decision = decide_version(
+        "2",
+        0.9,
+        "1",
+        benchmark_score(champion_tags, BENCH),
+        margin=0.02,
+        threshold=0.0,
+        benchmark_id=BENCH,
+    )
+    assert not decision.promote and decision.champion_score is None
+    assert "0.2" not in decision.reason and "not compared" in decision.reason
+
+
+def _tasks(n: int) -> list[dict]:
+    return [{"id": str(i), "question": f"{i} + 1", "answer": str(i + 1)} for i in range(n)]
+
+
+def test_the_benchmark_id_is_the_content_and_the_measure():
+    base = benchmark_id(_tasks(5), agent="calc:agent", threshold=1.0)
+    assert base == benchmark_id(_tasks(5), agent="calc:agent", threshold=1.0)
+    assert len(base) == 16 and int(base, 16) >= 0
+    # The order of the tasks does not change a score, so not the benchmark either.
+    assert benchmark_id(_tasks(5)[::-1], agent="calc:agent", threshold=1.0) == base
+    changed_answer = [*_tasks(4), {**_tasks(5)[4], "answer": "6!"}]
+    different = [
+        benchmark_id(_tasks(4), agent="calc:agent", threshold=1.0),  # size
+        benchmark_id(changed_answer, agent="calc:agent", threshold=1.0),  # content
+        benchmark_id(_tasks(5), agent="sql:agent", threshold=1.0),  # agent
+        benchmark_id(_tasks(5), agent="calc:agent", threshold=0.9),  # success threshold
+        benchmark_id(_tasks(5), agent="calc:agent", threshold=1.0, sampling={"temperature": 1}),
+        benchmark_id(_tasks(5), agent="calc:agent", threshold=1.0, max_attempts=1),
+    ]
+    assert len({base, *different}) == 1 + len(different)
 
 
 def test_decide_version_refuses_a_score_that_is_no_number():
     with pytest.raises(InvalidInput):
-        decide_version("2", math.nan, "1", 0.5, margin=0.02, threshold=0.0)
+        decide_version("2", math.nan, "1", 0.5, margin=0.02, threshold=0.0, benchmark_id=BENCH)
 
 
 @pytest.mark.parametrize(
     "decision",
     [
-        decide_version("2", 0.8, "1", 0.7, margin=0.02, threshold=0.0),
-        decide_version("2", 0.7, "1", 0.7, margin=0.02, threshold=0.0),
-        decide_version("1", 0.5, None, None, margin=0.02, threshold=0.3),
-        decide_version("2", 0.8, "1", None, margin=0.02, threshold=0.0),
+        decide_version("2", 0.8, "1", 0.7, margin=0.02, threshold=0.0, benchmark_id=BENCH),
+        decide_version("2", 0.7, "1", 0.7, margin=0.02, threshold=0.0, benchmark_id=BENCH),
+        decide_version("1", 0.5, None, None, margin=0.02, threshold=0.3, benchmark_id=BENCH),
+        decide_version("2", 0.8, "1", None, margin=0.02, threshold=0.0, benchmark_id=BENCH),
         # Scores whose shortest repr is long still come back bit for bit.
-        decide_version("5", 0.1 + 0.2, "4", 1 / 3, margin=0.0, threshold=0.0),
+        decide_version("5", 0.1 + 0.2, "4", 1 / 3, margin=0.0, threshold=0.0, benchmark_id=BENCH),
     ],
 )
 def test_the_recorded_tags_give_the_decision_back(decision: PromotionDecision):
@@ -121,20 +186,33 @@ def test_the_recorded_tags_give_the_decision_back(decision: PromotionDecision):
 
 
 def test_decision_tags_are_what_the_registry_shows():
-    promoted = decide_version("2", 0.8, "1", 0.7, margin=0.02, threshold=0.0)
+    promoted = decide_version("2", 0.8, "1", 0.7, margin=0.02, threshold=0.0, benchmark_id=BENCH)
     assert decision_tags(promoted) == {
         TAG_DECISION: "promoted",
         TAG_REASON: promoted.reason,
         TAG_CHAMPION_SCORE: "0.7",
         TAG_CHAMPION_VERSION: "1",
+        TAG_DECISION_BENCHMARK: BENCH,
     }
-    first = decide_version("1", 0.1, None, None, margin=0.02, threshold=0.3)
+    first = decide_version("1", 0.1, None, None, margin=0.02, threshold=0.3, benchmark_id=BENCH)
     assert decision_tags(first) == {
         TAG_DECISION: "rejected",
         TAG_REASON: first.reason,
         TAG_CHAMPION_SCORE: "none",
         TAG_CHAMPION_VERSION: "none",
+        TAG_DECISION_BENCHMARK: BENCH,
     }
+
+
+def test_a_decision_recorded_before_benchmarks_reads_back_without_one():
+    decision = decide_version("2", 0.8, "1", 0.7, margin=0.02, threshold=0.0, benchmark_id=BENCH)
+    tags = {TAG_SCORE: "0.8", **decision_tags(decision)}
+    del tags[TAG_DECISION_BENCHMARK]
+    recorded = recorded_decision("2", tags)
+    assert recorded == decision.model_copy(update={"benchmark_id": None})
+
+
+FIRST = decide_version("1", 0.5, None, None, 0, 0, benchmark_id=BENCH)
 
 
 @pytest.mark.parametrize(
@@ -142,9 +220,8 @@ def test_decision_tags_are_what_the_registry_shows():
     [
         {TAG_SCORE: "0.5"},  # registered, never decided
         {TAG_SCORE: "0.5", TAG_DECISION: "promoted"},  # the other tags missing
-        {TAG_SCORE: "n/a", **decision_tags(decide_version("1", 0.5, None, None, 0, 0))},
-        {TAG_SCORE: "0.5", **decision_tags(decide_version("1", 0.5, None, None, 0, 0))}
-        | {TAG_DECISION: "maybe"},
+        {TAG_SCORE: "n/a", **decision_tags(FIRST)},
+        {TAG_SCORE: "0.5", **decision_tags(FIRST)} | {TAG_DECISION: "maybe"},
     ],
 )
 def test_no_recorded_decision_without_a_full_record(tags):

@@ -49,6 +49,9 @@ def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_", "PREFECT_"))}
     env["PREFECT_HOME"] = str(home / "prefect")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    # Prefect's temporary server gets 20 s to start by default; a loaded 2-core machine took
+    # longer ("Timed out while attempting to connect to ephemeral Prefect API server").
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
     return env
 
 
@@ -111,6 +114,12 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+@pytest.mark.fault(
+    name="flow process SIGKILLed",
+    injected="SIGKILL to the `lightning-rl train` process once iteration 2 of 3 has rollouts out",
+    outcome="checkpoint at iteration 1; --resume finishes with each iteration once in MLflow and "
+    "the Parquet views, the uninterrupted run's adapter, one registered version",
+)
 def test_a_run_killed_in_iteration_2_resumes_to_the_uninterrupted_result(tmp_path, request):
     env = _env(tmp_path)
     killed = tmp_path / "runs" / "killed"

@@ -172,14 +172,21 @@ def render_chat(
         normalised = [
             {**m, "content": _text(m.get("content"))} if "content" in m else m for m in messages
         ]
+        return _apply_template(tokenizer, normalised, tools or None)
+    return _apply_template(tokenizer, _fallback_messages(messages, tools, tool_format), None)
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
+    from jinja2 import TemplateError
+
+    try:
         return tokenizer.apply_chat_template(
-            normalised, tools=tools or None, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
-    return tokenizer.apply_chat_template(
-        _fallback_messages(messages, tools, tool_format),
-        add_generation_prompt=True,
-        tokenize=False,
-    )
+    except TemplateError as exc:
+        # Templates refuse what they cannot render (roles out of order, a missing field) with
+        # raise_exception: the request's mistake, not the server's.
+        raise InvalidInput(f"the model's chat template cannot render the messages: {exc}") from exc
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -208,7 +215,10 @@ def _calls_in(payload: Any) -> list[dict[str, Any]] | None:
                 arguments = orjson.loads(arguments)
             except orjson.JSONDecodeError:
                 return None
-        calls.append(_openai_call(item["name"], arguments))
+        try:
+            calls.append(_openai_call(item["name"], arguments))
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes: not a call
+            return None
     return calls
 
 

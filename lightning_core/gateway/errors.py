@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+_OPENAI_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -23,6 +23,7 @@ from lightning_core.gateway.service import (
     ChoiceEnd,
     Gateway,
     TextDelta,
+    held,
     new_id,
 )
 from lightning_core.gateway.sse import DONE, sse
@@ -188,6 +189,7 @@ class OpenAIAPI:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInput("prompt must not be empty")
+            self.gateway.check_prompt_text(prompt)
             return tokenizer(prompt)["input_ids"]
         vocab = len(tokenizer)
         if not prompt or any(not 0 <= t < vocab for t in prompt):
@@ -233,10 +235,20 @@ class OpenAIAPI:
             )
             for p in req.prompts()
         ]
+        gateway.limits.check_size(
+            sum(len(r.prompt_token_ids) for r in requests),
+            req.n,
+            params.max_new_tokens,
+            prompts=len(requests),
+        )
+        slot = gateway.admit(ctx)
         if req.stream:
-            return self._completion_stream(req, ctx, requests)
+            return held(slot, self._completion_stream(req, ctx, requests))
         start = time.time()
-        results = await asyncio.gather(*(gateway.backend.generate(r) for r in requests))
+        try:
+            results = await asyncio.gather(*(gateway.backend.generate(r) for r in requests))
+        finally:
+            slot.release()
         response_id = new_id("cmpl-")
         decode = gateway.tokenizer.decode
         out = []

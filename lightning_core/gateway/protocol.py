@@ -146,6 +146,38 @@ def json_constraint(
     raise InvalidInput(f"{where} type {kind!r} is not text, json_object or json_schema")
 
 
+# Messages and tools stay plain dicts (clients send many extra fields), but the fields the chat
+# renderer reads must have OpenAI's types: anything else is a 400 that names the field.
+def _check_message(message: dict[str, Any], where: str) -> None:
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+            raise InvalidInput(f"{where}.content must be a string or a list of content parts")
+        for k, part in enumerate(content):
+            if part.get("type") == "text" and not isinstance(part.get("text", ""), str):
+                raise InvalidInput(f"{where}.content[{k}].text must be a string")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise InvalidInput(f"{where}.tool_calls must be a list of tool calls")
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidInput(
+                f"{where}.tool_calls[{k}] must be an object with function.name (a string) and "
+                "function.arguments (a JSON string)"
+            )
+
+
+def _check_function(function: Any, where: str) -> None:
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidInput(f"{where} must be an object with a name (a string)")
+    parameters = function.get("parameters", {})
+    if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
+        raise InvalidInput(f"{where}.parameters must be a JSON schema object")
+
+
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -163,9 +195,16 @@ class ChatCompletionRequest(OpenAIRequest):
         for i, m in enumerate(self.messages):
             if m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
                 raise InvalidInput(f"messages[{i}].role {m.get('role')!r} is not a chat role")
+            _check_message(m, f"messages[{i}]")
+        for k, tool in enumerate(self.tools or []):
+            _check_function(tool.get("function", tool), f"tools[{k}].function")
         if self.top_logprobs and not self.logprobs:
             raise InvalidInput("top_logprobs needs logprobs=true")
         check_tool_choice(self.tool_choice)
+        if isinstance(self.tool_choice, dict) and not isinstance(
+            self.tool_choice.get("function", {}), dict
+        ):
+            raise InvalidInput("tool_choice.function must be an object with the tool's name")
         return self
 
     def offered_tools(self) -> list[dict[str, Any]] | None:

@@ -10,10 +10,10 @@ systems) with the `X-Lightning-Agent` header or `metadata.agent_name`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import Response, StreamingResponse
 
 from lightning_core import semconv
@@ -24,6 +24,10 @@ from lightning_core.gateway.responses_api import ResponsesAPI, ResponsesRequest
 from lightning_core.gateway.service import CallContext, Gateway
 
 ROLLOUT_PREFIX = "/rollouts/{rollout_id}/attempts/{attempt_id}"
+# A generating call answers with JSON, or with server-sent events when it asks to stream.
+_STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {}, "text/event-stream": {}}}
+}
 
 
 def _context(request: Request, metadata: dict[str, Any] | None) -> CallContext:
@@ -37,6 +41,14 @@ def _context(request: Request, metadata: dict[str, Any] | None) -> CallContext:
         agent_name=agent,
         traceparent=request.headers.get("traceparent"),
     )
+
+
+def _attempt_path(
+    rollout_id: Annotated[str, Path(description="The rollout the call is recorded on.")],
+    attempt_id: Annotated[str, Path(description="Its attempt (from the runner's claim).")],
+) -> None:
+    """Declares the rollout prefix's path parameters in the OpenAPI schema: the endpoints read
+    them from `request.path_params`, and a schema without them cannot be called from it."""
 
 
 def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
@@ -88,5 +100,7 @@ def gateway_router(gateway: Gateway, route_class: type | None = None) -> APIRout
                 summary=f"{summary}, {scope}",
                 name=f"{endpoint.__name__}{'_in_rollout' if prefix else ''}",
                 tags=["gateway"],
+                dependencies=[Depends(_attempt_path)] if prefix else None,
+                responses=_STREAMED if method == "POST" else None,
             )
     return router

@@ -17,11 +17,13 @@ picked by the agent name the call carries, and records that version on the call'
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -35,6 +37,7 @@ from lightning_core.backends.base import (
 from lightning_core.backends.text import IncrementalText
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.gateway import chat as chat_format
+from lightning_core.gateway.limits import CallLimits, CallSlot
 from lightning_core.gateway.protocol import model_object
 from lightning_core.gateway.spans import LLMCall, llm_call_span
 from lightning_core.store.base import SpanRecorder
@@ -56,6 +59,32 @@ class GatewayConfig(BaseModel):
         True,
         description="Also store the chat messages and answers as text on each span "
         "(gen_ai.input.messages / gen_ai.output.messages), for reading traces.",
+    )
+    # Limits (gateway/limits.py). The example agents ask for far less (prompts under 2k tokens,
+    # max_tokens 32-128, n=1, under 20 calls a rollout); one runaway agent asks for far more.
+    max_prompt_tokens: int = Field(
+        32768,
+        ge=1,
+        description="Longest prompt one call may send, in tokens; longer is refused with a 400.",
+    )
+    max_generation_tokens: int = Field(
+        32768,
+        ge=1,
+        description="Most tokens one call may ask to generate, n x max_tokens (over all prompts "
+        "of a completions batch); more is refused with a 400. Allows n=64 at the default "
+        "max_tokens.",
+    )
+    max_concurrent_calls_per_rollout: int = Field(
+        16,
+        ge=1,
+        description="Calls one rollout attempt may have running at once; one more is refused "
+        "with a 429, which the OpenAI and Anthropic clients retry after a backoff.",
+    )
+    max_calls_per_rollout: int = Field(
+        1024,
+        ge=1,
+        description="LLM calls one rollout attempt may make in all; past it a 429 that clients "
+        "do not retry (x-should-retry: false) stops an agent that loops without end.",
     )
 
 
@@ -143,6 +172,25 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
+T = TypeVar("T")
+
+
+def held(slot: CallSlot, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`events`, with the call's slot released when they end, fail or are closed, and also
+    when the stream is dropped without being read (a client gone before the first byte)."""
+
+    async def run() -> AsyncIterator[T]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            slot.release()
+
+    stream = run()
+    weakref.finalize(stream, slot.release)
+    return stream
+
+
 class Gateway:
     """Serves a Backend behind client APIs and records rollout calls through a span recorder."""
 
@@ -155,6 +203,12 @@ class Gateway:
         self.backend = backend
         self.store = store
         self.config = config or GatewayConfig()
+        self.limits = CallLimits(
+            max_prompt_tokens=self.config.max_prompt_tokens,
+            max_generation_tokens=self.config.max_generation_tokens,
+            max_concurrent_calls=self.config.max_concurrent_calls_per_rollout,
+            max_calls=self.config.max_calls_per_rollout,
+        )
         self._loading = asyncio.Lock()
         # Policy versions never change once registered, so their agent maps are kept after the
         # first lookup: an agent's calls then skip the store.
@@ -163,6 +217,18 @@ class Gateway:
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters of the longest token piece (81 for SmolLM2's): bounds how much text one
+        token can stand for, so a prompt can be refused before it is tokenized."""
+        tokenizer = self.tokenizer
+        return max(
+            len(p) for p in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if p
+        )
+
+    def check_prompt_text(self, text: str) -> None:
+        self.limits.check_text(len(text), self.longest_token)
 
     # ------------------------------------------------------------------ models
 
@@ -267,12 +333,20 @@ class Gateway:
         prompt = chat_format.render_chat(
             self.tokenizer, call.messages, call.tools, self.config.tool_format
         )
-        return GenerationRequest(
+        self.check_prompt_text(prompt)
+        request = GenerationRequest(
             prompt_token_ids=chat_format.encode(self.tokenizer, prompt),
             params=call.params,
             n=call.n,
             adapter=adapter,
         )
+        self.limits.check_size(len(request.prompt_token_ids), call.n, call.params.max_new_tokens)
+        return request
+
+    def admit(self, ctx: CallContext) -> CallSlot:
+        """Count a call on its attempt (429 past the attempt's limits); release the slot when
+        the call has finished."""
+        return self.limits.admit(ctx.rollout_id, ctx.attempt_id)
 
     def _chat_choice(
         self, index: int, generated: Choice, tools: list[dict[str, Any]] | None
@@ -308,8 +382,12 @@ class Gateway:
     ) -> ChatResult:
         """Answer a chat call whole, and record it."""
         request = await self._prepare(call, ctx)
+        slot = self.admit(ctx)
         start = time.time()
-        generated = await self.backend.generate(request)
+        try:
+            generated = await self.backend.generate(request)
+        finally:
+            slot.release()
         result = ChatResult(
             response_id=new_id(id_prefix),
             created=start,
@@ -324,20 +402,21 @@ class Gateway:
     ) -> tuple[str, float, int, AsyncIterator[ChatEvent]]:
         """Start a streamed chat call: (response id, start time, prompt tokens, its events).
 
-        Errors found before generation (unknown model, bad rollout) raise here, before a client
-        sees a stream start; the backend's own refusals raise from the events. The events are
-        TextDelta (text that can no longer change), one ChoiceEnd per choice and, last, the
-        whole ChatResult, once the call is recorded. Text that may begin a tool call is held
-        back until the end.
+        Errors found before generation (unknown model, bad rollout, a limit passed) raise
+        here, before a client sees a stream start; the backend's own refusals raise from the
+        events. The events are TextDelta (text that can no longer change), one ChoiceEnd per
+        choice and, last, the whole ChatResult, once the call is recorded. Text that may begin
+        a tool call is held back until the end.
         """
         request = await self._prepare(call, ctx)
         singles = self.per_choice(request, call.n)
+        slot = self.admit(ctx)
         response_id, start = new_id(id_prefix), time.time()
         return (
             response_id,
             start,
             len(request.prompt_token_ids),
-            self._chat_events(call, ctx, request, singles, response_id, start),
+            held(slot, self._chat_events(call, ctx, request, singles, response_id, start)),
         )
 
     async def _chat_events(

@@ -7,17 +7,27 @@ Concurrent `add_spans` calls are coalesced: while one request is in flight, the 
 caller that arrives meanwhile go out together in the next request. Thirty-two runners then cost
 the server a handful of requests per round instead of thirty-two, and each caller still returns
 only when its own spans are durable.
+
+A store that cannot be reached (a policy server being restarted) is waited for, up to
+`retry_s`, rather than failed at once. A call that never reached the server (connection
+refused) is always sent again; one whose answer was lost (the connection dropped mid-request)
+is sent again only where a repeat cannot do a thing twice: reads, waits, heartbeats, spans
+(stored once per span id), complete/fail/cancel (a repeat is refused as IllegalTransition) and
+enqueues (the client names the rollouts, and the store answers a known id with its rollout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import orjson
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import ERRORS_BY_NAME, LightningError, StoreUnavailable
 from lightning_core.store.base import AttemptSelector
@@ -31,7 +41,10 @@ from lightning_core.types import (
     RolloutStatus,
     Span,
     Transition,
+    new_id,
 )
+
+log = logging.getLogger(__name__)
 
 
 class _SpanBatcher:
@@ -79,6 +92,29 @@ class _SpanBatcher:
 
 # Below `lightning-rl serve`'s keep-alive timeout (SERVER_KEEPALIVE_S in cli.py).
 KEEPALIVE_S = 15.0
+# A policy server restarted by its supervisor answers again after a few seconds (the tiny
+# model) to a minute (a real one); two minutes covers both with room to spare.
+RETRY_S = 120.0
+# Waits between tries grow from the first to the last: prompt after a short blip, and no more
+# than a request every few seconds while a server loads its model.
+RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 4.0)
+
+
+class StoreClientSettings(BaseSettings):
+    """How a store client rides out an unreachable store; LIGHTNING_<NAME> in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="LIGHTNING_", extra="ignore")
+
+    store_retry_s: float = Field(
+        RETRY_S,
+        ge=0,
+        description="How long a store call waits for an unreachable store (a policy server "
+        "being restarted) before it raises StoreUnavailable; 0 fails at once.",
+    )
+
+
+def _retry_s_from_env() -> float:
+    return StoreClientSettings().store_retry_s
 
 
 class HttpStoreClient:
@@ -91,9 +127,14 @@ class HttpStoreClient:
         timeout: float = 60.0,
         max_connections: int = 64,
         span_requests_in_flight: int = 2,
+        retry_s: float | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        # How long a call waits for an unreachable store before raising StoreUnavailable.
+        self.retry_s = retry_s if retry_s is not None else _retry_s_from_env()
         key = api_key if api_key is not None else os.environ.get("LIGHTNING_API_KEY")
+        # Public: a Runner on this client hands the same key to its agents and its OTLP exporter.
+        self.api_key = key or None
         self._headers = {"content-type": "application/json"}
         if key:
             self._headers["authorization"] = f"Bearer {key}"
@@ -119,19 +160,54 @@ class HttpStoreClient:
             )
         return self._session
 
-    async def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None):
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float | None = None,
+        repeatable: bool = True,
+        retry_s: float | None = None,
+    ):
+        """One request, sent again while the store is unreachable, for up to `retry_s`.
+
+        `repeatable`: a repeat of a request whose answer was lost does no harm (see the module
+        docstring); otherwise only requests that never reached the server are sent again.
+        """
         content = orjson.dumps(body) if body is not None else None
         extra = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout is not None else {}
-        try:
-            async with self._http().request(
-                method, path.lstrip("/"), data=content, **extra
-            ) as response:
-                payload = await response.read()
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise StoreUnavailable(
-                f"cannot reach the store at {self.url}: {exc!r}; is `lightning-rl serve` running?"
-            ) from exc
+        loop = asyncio.get_running_loop()
+        retry_s = self.retry_s if retry_s is None else retry_s
+        deadline = loop.time() + retry_s
+        tries = 0
+        while True:
+            try:
+                async with self._http().request(
+                    method, path.lstrip("/"), data=content, **extra
+                ) as response:
+                    payload = await response.read()
+                    status = response.status
+                break
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                never_sent = isinstance(exc, aiohttp.ClientConnectorError)
+                delay = RETRY_DELAYS_S[min(tries, len(RETRY_DELAYS_S) - 1)]
+                if not (never_sent or repeatable) or loop.time() + delay > deadline:
+                    waited = f" (tried for {retry_s:g} s)" if tries else ""
+                    raise StoreUnavailable(
+                        f"cannot reach the store at {self.url}{waited}: {exc!r}; is "
+                        "`lightning-rl serve` running?"
+                    ) from exc
+                if tries == 0:
+                    log.warning(
+                        "store at %s unreachable (%r): %s %s again for up to %g s",
+                        self.url,
+                        exc,
+                        method,
+                        path,
+                        retry_s,
+                    )
+                tries += 1
+                await asyncio.sleep(delay)
         if status >= 400:
             raise _error_from(status, payload)
         return orjson.loads(payload) if payload else None
@@ -142,7 +218,12 @@ class HttpStoreClient:
     # ------------------------------------------------------------------ queue
 
     async def enqueue_rollouts(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
-        body = {"rollouts": [r.model_dump(mode="json") for r in requests]}
+        # Named here, so that a repeat after a lost answer finds them instead of enqueuing twice.
+        named = [
+            r if r.rollout_id else r.model_copy(update={"rollout_id": new_id("ro")})
+            for r in requests
+        ]
+        body = {"rollouts": [r.model_dump(mode="json") for r in named]}
         return [
             Rollout.model_validate(r) for r in await self._call("POST", "/store/rollouts", body)
         ]
@@ -152,7 +233,9 @@ class HttpStoreClient:
 
     async def dequeue(self, worker_id: str, wait: float = 0.0) -> Claim | None:
         body = {"worker_id": worker_id, "wait": wait}
-        data = await self._call("POST", "/store/dequeue", body, timeout=wait + 30)
+        # Not repeated after a lost answer: the store may have made the claim, and a repeat
+        # would claim another rollout while the first waits out unresponsive_timeout_s.
+        data = await self._call("POST", "/store/dequeue", body, timeout=wait + 30, repeatable=False)
         return Claim.model_validate(data) if data else None
 
     async def heartbeat(self, attempt_id: str) -> Attempt:
@@ -233,7 +316,8 @@ class HttpStoreClient:
 
     async def add_transitions(self, transitions: Sequence[Transition]) -> int:
         body = {"transitions": [t.model_dump(mode="json") for t in transitions]}
-        return (await self._call("POST", "/store/transitions", body))["count"]
+        # Not repeated after a lost answer: transitions have no key, a repeat would store twice.
+        return (await self._call("POST", "/store/transitions", body, repeatable=False))["count"]
 
     async def query_transitions(
         self,
@@ -262,9 +346,16 @@ class HttpStoreClient:
         data = await self._call("GET", "/store/policy-versions")
         return [PolicyVersion.model_validate(v) for v in data]
 
+    async def check(self) -> None:
+        """Reach the store once, now: StoreUnavailable (or Unauthorized, for a refused key) at
+        once rather than after retry_s. For a command's first call, where an unreachable
+        store is a wrong URL, not an outage to wait out."""
+        await self._call("POST", "/store/rollouts/query", {"limit": 1}, retry_s=0)
+
     async def health(self) -> bool:
         try:
-            return (await self._call("GET", "/health"))["status"] == "ok"
+            # A health check answers now; it does not wait for a store to come back.
+            return (await self._call("GET", "/health", retry_s=0))["status"] == "ok"
         except StoreUnavailable:
             return False
 

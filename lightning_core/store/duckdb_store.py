@@ -255,12 +255,18 @@ class DuckDBStore:
     async def enqueue_rollouts(self, requests: Sequence[RolloutRequest]) -> list[Rollout]:
         self._start_background()
         t = now()
-        created = []
+        answered, created = [], []
         for request in requests:
-            rollout = Rollout(
-                rollout_id=new_id("ro"), enqueued_at=t, **request.model_dump(exclude_unset=False)
-            )
-            created.append(rollout)
+            # A known id is an enqueue sent again after its answer was lost: answered, not redone.
+            if (known := self._rollouts.get(request.rollout_id or "")) is None:
+                fields = request.model_dump(exclude={"rollout_id"})
+                known = Rollout(
+                    rollout_id=request.rollout_id or new_id("ro"), enqueued_at=t, **fields
+                )
+                created.append(known)
+            answered.append(known)
+        if len({r.rollout_id for r in created}) != len(created):
+            raise InvalidInput("two rollouts of one enqueue have the same rollout_id")
         for rollout in created:
             self._rollouts[rollout.rollout_id] = rollout
             self._queue.append(rollout.rollout_id)
@@ -268,7 +274,7 @@ class DuckDBStore:
         if created:
             self._work_arrived.fire()
         await self._sync()
-        return [r.model_copy(deep=True) for r in created]
+        return [r.model_copy(deep=True) for r in answered]
 
     async def enqueue_rollout(self, request: RolloutRequest) -> Rollout:
         return (await self.enqueue_rollouts([request]))[0]

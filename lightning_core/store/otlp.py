@@ -8,6 +8,7 @@ itself or on its resource (one process per attempt can set them once there).
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 import orjson
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 
 from lightning_core import semconv
 from lightning_core.errors import InvalidInput
+from lightning_core.store.schema import check_json_depth
 from lightning_core.types import Span
 
 # OTLP's SpanKind and StatusCode enums, by number.
@@ -134,7 +136,9 @@ def _json_enum(value: Any, by_number: dict[int, str], by_name: dict[str, str]) -
 def decode_json(body: bytes) -> list[Span]:
     try:
         request = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
+        # Checked here, not by the routes' JSON parsing: this endpoint reads its body raw.
+        check_json_depth(request)
+    except json.JSONDecodeError as exc:
         raise InvalidInput(f"malformed OTLP JSON: {exc}") from None
     spans = []
     try:

@@ -7,6 +7,7 @@ doubles as an audit trail of every status change.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +161,28 @@ VIEWS = (
     "CREATE OR REPLACE VIEW attempts AS SELECT * EXCLUDE (log_seq) FROM attempt_log "
     "QUALIFY row_number() OVER (PARTITION BY attempt_id ORDER BY log_seq DESC) = 1",
 )
+
+
+# orjson reads JSON up to 1024 levels deep but writes at most 254: a body nested deeper than
+# MAX_JSON_DEPTH could be stored but not written back out (a rollout's input inside a list of
+# rollouts, a chat message on a span), so it is refused as it arrives.
+MAX_JSON_DEPTH = 200
+_ORJSON_WRITE_DEPTH = 254
+
+
+def check_json_depth(value: Any, doc: str = "") -> None:
+    """Raise a JSONDecodeError (the HTTP API answers it as malformed JSON, a 400) if `value` nests
+    deeper than MAX_JSON_DEPTH. Writing it once under the missing levels finds out: 7 ms for
+    1.5 MB of spans, a third of parsing them, where a walk in Python takes 50 ms."""
+    wrapped = value
+    for _ in range(_ORJSON_WRITE_DEPTH - MAX_JSON_DEPTH):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:
+        raise json.JSONDecodeError(
+            f"nested deeper than {MAX_JSON_DEPTH} levels; flatten the value", doc, 0
+        ) from None
 
 
 def _json(value: Any) -> str:

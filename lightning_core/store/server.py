@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import gzip
 import hmac
+import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
@@ -23,10 +24,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge
 from lightning_core.store import otlp
 from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.store.schema import check_json_depth
 from lightning_core.types import (
     Attempt,
     Claim,
@@ -42,6 +45,13 @@ from lightning_core.types import (
 
 # Long polls are capped so that a proxy or client timeout never cuts a request mid-wait.
 MAX_WAIT_S = 30.0
+# Rollouts one query or wait may name: a wait rescans its ids whenever any rollout finishes, and
+# a 64 MB body holds a million ids. An iteration's batch (hundreds) is far under it.
+MAX_QUERY_IDS = 10_000
+QueryIds = Annotated[
+    list[str],
+    Field(max_length=MAX_QUERY_IDS, description=f"At most {MAX_QUERY_IDS}; ask in batches."),
+]
 
 
 class EnqueueBody(BaseModel):
@@ -63,7 +73,7 @@ class FailBody(BaseModel):
 
 
 class RolloutQuery(BaseModel):
-    rollout_ids: list[str] | None = None
+    rollout_ids: QueryIds | None = None
     status: list[RolloutStatus] | None = None
     mode: RolloutMode | None = None
     group_id: str | None = None
@@ -71,7 +81,7 @@ class RolloutQuery(BaseModel):
 
 
 class WaitBody(BaseModel):
-    rollout_ids: list[str]
+    rollout_ids: QueryIds
     timeout: float = Field(0.0, ge=0, le=MAX_WAIT_S)
 
 
@@ -80,7 +90,7 @@ class SpansBody(BaseModel):
 
 
 class SpanQuery(BaseModel):
-    rollout_ids: list[str]
+    rollout_ids: QueryIds
     attempt_id: str | None = Field(None, description='An attempt id, "latest" or null for all.')
 
 
@@ -89,7 +99,7 @@ class TransitionsBody(BaseModel):
 
 
 class TransitionQuery(BaseModel):
-    rollout_ids: list[str] | None = None
+    rollout_ids: QueryIds | None = None
     policy_version: str | None = None
 
 
@@ -104,7 +114,9 @@ class _OrjsonRequest(Request):
         if not hasattr(self, "_json"):
             # orjson.JSONDecodeError subclasses json.JSONDecodeError, so FastAPI still answers
             # malformed JSON as such.
-            self._json = orjson.loads(await self.body())
+            value = orjson.loads(await self.body())
+            check_json_depth(value)
+            self._json = value
         return self._json
 
 
@@ -136,7 +148,8 @@ def _error_at(
 def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
-        return 400, "malformed JSON: " + "; ".join(str(e.get("ctx", e.get("msg"))) for e in errors)
+        reasons = (str((e.get("ctx") or {}).get("error", e.get("msg"))) for e in errors)
+        return 400, "malformed JSON: " + "; ".join(reasons)
     parts = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errors[:10]]
     more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
     return 422, "; ".join(parts) + more
@@ -148,11 +161,15 @@ def _limits_and_auth(
     """ASGI middleware: API-key auth, then a cap on the request body size.
 
     The key comes as `Authorization: Bearer <key>` (OpenAI's clients, ours) or as `x-api-key`
-    (Anthropic's clients, which never send the bearer form).
+    (Anthropic's clients, which never send the bearer form). Requests it lets through are
+    counted in `app.state.requests_in_flight` while they run (for /health/details).
     """
     expected = f"Bearer {api_key}".encode() if api_key else None
     expected_key = api_key.encode() if api_key else None
+    # The bare liveness probe only: it answers {"status": "ok"} and nothing about the server,
+    # so a load balancer or `start_serve` can poll it without the key.
     open_paths = {"/health"}
+    app.state.requests_in_flight = 0
 
     async def middleware(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -203,8 +220,14 @@ def _limits_and_auth(
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()
 
-        await app(scope, replay, send)
+        app.state.requests_in_flight += 1
+        try:
+            await app(scope, replay, send)
+        finally:
+            app.state.requests_in_flight -= 1
 
+    # The FastAPI app inside, for its routes and OpenAPI schema (tests walk its route table).
+    middleware.app = app  # type: ignore[attr-defined]
     return middleware
 
 
@@ -248,10 +271,12 @@ def create_store_app(
     on_close: Callable[[], Awaitable[Any]] | None = None,
     error_body: ErrorBody | None = None,
     description: str = "The LightningStore: rollouts, spans, transitions, OTLP traces.",
+    details: Callable[[], dict[str, Any]] | None = None,
 ) -> Any:
     """The FastAPI app serving `store` and any `routers` beside it, wrapped in the auth and
     size-limit middleware. `on_start` runs before the first request, `on_close` at shutdown,
-    before the store closes (when `close_store`)."""
+    before the store closes (when `close_store`); `details` adds to /health/details."""
+    started = time.monotonic()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -275,21 +300,47 @@ def create_store_app(
 
     @app.exception_handler(LightningError)
     async def lightning_error(request: Request, exc: LightningError) -> JSONResponse:
-        return _error_at(
+        response = _error_at(
             request.url.path, exc.status_code, type(exc).__name__, str(exc), error_body
         )
+        response.headers.update(exc.headers())
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         status, message = _validation_message(exc)
         return _error_at(request.url.path, status, "InvalidInput", message, error_body)
 
+    # The framework's own refusals (no such path, a method the path does not take) in the API's
+    # error shape too, not Starlette's {"detail": ...}, which no client of ours parses.
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+            message += f"; this path takes {exc.headers['Allow']}"
+        response = _error_at(request.url.path, exc.status_code, kind, message, error_body)
+        response.headers.update(exc.headers or {})
+        return response
+
     for router in routers:
         app.include_router(router)
 
-    @app.get("/health")
+    @app.get("/health", summary="Liveness probe, open without the API key")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/health/details", summary="What the server runs and how busy it is (needs the key)")
+    async def health_details() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "uptime_s": round(time.monotonic() - started, 1),
+            "db": str(store.config.db),
+            "policy_versions": len(await store.list_policy_versions()),
+            # This request included.
+            "requests_in_flight": app.state.requests_in_flight,
+            **(details() if details is not None else {}),
+        }
 
     @app.post("/store/rollouts", response_model=list[Rollout])
     async def enqueue(body: EnqueueBody) -> Response:
@@ -371,6 +422,22 @@ def create_store_app(
     @app.post(
         "/v1/traces",
         summary="OTLP/HTTP trace export (application/x-protobuf or application/json)",
+        # The handler reads the raw body itself; this tells OpenAPI clients (and fuzzers) what
+        # it takes: an ExportTraceServiceRequest, in protobuf or in OTLP's JSON mapping.
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/x-protobuf": {"schema": {"type": "string", "format": "binary"}},
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"resourceSpans": {"type": "array"}},
+                        }
+                    },
+                },
+            }
+        },
     )
     async def otlp_traces(request: Request) -> Response:
         body = _decompress(

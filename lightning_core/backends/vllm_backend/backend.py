@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,6 +38,10 @@ from lightning_core.models import resolve_model
 log = logging.getLogger(__name__)
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+# How often a launched server is checked for having died: its restart (30 s and more) dwarfs it.
+_WATCH_INTERVAL_S = 1.0
+# How long a request cut off by a dying server waits to see the process exit.
+_EXIT_GRACE_S = 2.0
 
 
 class VLLMBackend:
@@ -66,6 +71,11 @@ class VLLMBackend:
         self._adapters: dict[str, str] = {}  # name -> folder as the caller gave it
         self._snapshots: dict[str, Path] = {}  # name -> private copy vLLM reads
         self._adapter_lock = asyncio.Lock()
+        # Supervision of a launched server: restarted when it dies (see _restart).
+        self.restarts = 0
+        self._watcher: asyncio.Task[None] | None = None
+        self._restarting: asyncio.Task[None] | None = None
+        self._gave_up: str | None = None
 
     @classmethod
     def from_config(cls, config: VLLMBackendConfig) -> VLLMBackend:
@@ -75,6 +85,11 @@ class VLLMBackend:
     def log_path(self) -> Path | None:
         """The launched server's log (None when attached)."""
         return self._server.log_path if self._server is not None else None
+
+    @property
+    def server_pid(self) -> int | None:
+        """The process id of the launched server's API process (None when attached)."""
+        return self._server.pid if self._server is not None else None
 
     # ---- lifecycle
 
@@ -100,6 +115,8 @@ class VLLMBackend:
             )
             if self.config.url is not None:
                 await self._attach()
+            else:
+                self._watcher = asyncio.create_task(self._watch())
         except BaseException:
             await self.close()
             raise
@@ -112,6 +129,12 @@ class VLLMBackend:
         await self.close()
 
     async def close(self) -> None:
+        for task in (self._watcher, self._restarting):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, LightningError):
+                    await task
+        self._watcher = self._restarting = None
         if self._server is None and self._session is not None:
             # An attached server outlives us, but the snapshots it reads our adapters from are
             # about to be deleted.
@@ -138,6 +161,92 @@ class VLLMBackend:
         # Adapters loaded before we attached (--lora-modules, or by another client).
         self._adapters = {m["id"]: m.get("root") or "" for m in models if m.get("parent")}
         log.info("attached to vLLM at %s serving %s", self.url, names)
+
+    # ---- supervision of a launched server
+    # A server that dies (killed, out of memory) is started again on the same port and given
+    # back the adapters it had. Requests sent meanwhile wait for it; those it was serving when
+    # it died fail with VLLMUnavailable (503), which the caller may retry.
+
+    async def _watch(self) -> None:
+        assert self._server is not None
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            if self._server.exited() and self._gave_up is None:
+                with contextlib.suppress(LightningError):  # recorded in _gave_up
+                    await self._restart_once()
+
+    def _restart_once(self) -> asyncio.Task[None]:
+        """The restart under way, or a new one: one at a time, however many callers notice."""
+        if self._restarting is None or self._restarting.done():
+            self._restarting = asyncio.create_task(self._restart())
+        return self._restarting
+
+    async def _restart(self) -> None:
+        assert self._server is not None
+        if self.restarts >= self.config.max_restarts:
+            self._gave_up = (
+                f"; it died after {self.restarts} restarts, the most allowed "
+                f"(max_restarts={self.config.max_restarts}); see {self._server.log_path}"
+            )
+            log.error("the vLLM server died again%s", self._gave_up)
+            raise VLLMUnavailable(f"the vLLM server is down{self._gave_up}")
+        self.restarts += 1
+        log.warning(
+            "the vLLM server exited; restarting it on %s (restart %d of at most %d)%s",
+            self.url,
+            self.restarts,
+            self.config.max_restarts,
+            self._died(),
+        )
+        await self._server.restart()
+        # The same snapshots as before: the folders they were copied from may have changed.
+        for name, snapshot in list(self._snapshots.items()):
+            body = {"lora_name": name, "lora_path": str(snapshot)}
+            try:
+                await self._request(
+                    "POST", "/v1/load_lora_adapter", body, adapter_path=str(snapshot)
+                )
+            except LightningError as exc:
+                # Not served rather than served wrong: a caller gets NotFound and may load it.
+                log.error("adapter %s could not be loaded again: %s", name, exc)
+                self._adapters.pop(name, None)
+                self._drop_snapshot(name)
+        log.warning("the vLLM server is back with adapters %s", self.adapters())
+
+    async def _ready(self) -> None:
+        """Wait out a restart under way; VLLMUnavailable if the server stays down."""
+        if self._gave_up is not None:
+            raise VLLMUnavailable(f"the vLLM server is down{self._gave_up}")
+        if self._server is not None and self._server.exited():
+            # Dead, and the watcher has not looked yet: restart now rather than fail the call.
+            self._restart_once()
+        restarting = self._restarting
+        if (
+            restarting is not None
+            and not restarting.done()
+            and restarting is not asyncio.current_task()
+        ):
+            try:
+                # Shielded: a caller that gives up waiting must not cancel the restart.
+                await asyncio.shield(restarting)
+            except LightningError as exc:
+                raise VLLMUnavailable(f"the vLLM server could not be restarted: {exc}") from exc
+
+    async def _lost(self, error: Exception) -> VLLMUnavailable:
+        """The error of a request the server failed by dying; a restart begins at once."""
+        if self._server is not None and self._gave_up is None:
+            # The reset connection can reach us before the dying process is reaped: without
+            # this wait a request cut off by the kill was answered "cannot reach" (seen here).
+            deadline = time.monotonic() + _EXIT_GRACE_S
+            while not self._server.exited() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        if self._server is not None and self._server.exited() and self._gave_up is None:
+            self._restart_once()
+            return VLLMUnavailable(
+                f"the vLLM server at {self.url} died during the request and is being "
+                f"restarted; send it again ({error}){self._died()}"
+            )
+        return VLLMUnavailable(f"cannot reach the vLLM server at {self.url}: {error}{self._died()}")
 
     def _live_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -234,6 +343,7 @@ class VLLMBackend:
         self, body: dict[str, Any], request: GenerationRequest
     ) -> AsyncIterator[dict[str, Any]]:
         session = self._live_session()
+        await self._ready()
         try:
             async with session.post(f"{self.url}/v1/completions", json=body) as resp:
                 if resp.status >= 400:
@@ -250,7 +360,7 @@ class VLLMBackend:
                     for choice in chunk.get("choices", []):
                         yield choice
         except aiohttp.ClientError as e:
-            raise VLLMUnavailable(f"lost the vLLM server at {self.url}: {e}{self._died()}") from e
+            raise await self._lost(e) from e
 
     # ---- adapters
 
@@ -331,15 +441,14 @@ class VLLMBackend:
         adapter_path: str | None = None,
     ) -> Any:
         session = self._live_session()
+        await self._ready()
         try:
             async with session.request(method, f"{self.url}{path}", json=body) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise self._error(resp.status, text, request, adapter_path)
         except aiohttp.ClientError as e:
-            raise VLLMUnavailable(
-                f"cannot reach the vLLM server at {self.url}: {e}{self._died()}"
-            ) from e
+            raise await self._lost(e) from e
         try:
             return json.loads(text)
         except json.JSONDecodeError:

@@ -73,3 +73,9 @@ class VLLMBackendConfig(BaseModel):
     request_timeout_s: float = Field(
         600, gt=0, description="Longest silence from the server on one request."
     )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Times a launched server that died is started again (same port, same "
+        "adapters) before the backend gives up and answers 503 for good.",
+    )

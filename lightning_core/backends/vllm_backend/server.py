@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -22,11 +23,14 @@ import aiohttp
 
 from lightning_core.backends.vllm_backend.config import VLLMBackendConfig, VLLMUnavailable
 from lightning_core.errors import InvalidInput
+from lightning_core.serving import die_with_parent
 
 log = logging.getLogger(__name__)
 
 # Logged while a launched server starts, so a user sees the minute-long start is alive.
 _PROGRESS_EVERY_S = 15.0
+# A restart waits this long for the dead server's port to be released.
+_PORT_WAIT_S = 30.0
 
 
 class VLLMServer:
@@ -51,6 +55,33 @@ class VLLMServer:
                 "port unset to pick a free one"
             )
         self.url = f"http://{host}:{port}"
+        await self._launch(python, host, port)
+
+    async def restart(self) -> None:
+        """Start the server again on the same port, after it died: clients keep its URL."""
+        if self._process is not None:
+            # Its engine core and workers may outlive a killed API server, holding memory.
+            await asyncio.to_thread(_stop_process_group, self._process)
+        host, port = self.config.host, int(self.url.rsplit(":", 1)[1])
+        deadline = time.monotonic() + _PORT_WAIT_S
+        while not _port_is_free(host, port, reuse=True):
+            if time.monotonic() > deadline:
+                raise VLLMUnavailable(
+                    f"cannot restart the vLLM server: port {port} stayed in use for "
+                    f"{_PORT_WAIT_S:.0f} s after it died"
+                )
+            await asyncio.sleep(0.5)
+        await self._launch(await self._python(), host, port)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def exited(self) -> bool:
+        """Whether the launched server's process has exited."""
+        return self._process is not None and self._process.poll() is not None
+
+    async def _launch(self, python: Path, host: str, port: int) -> None:
         command = [
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir),
@@ -90,7 +121,8 @@ class VLLMServer:
             **self.config.env,
         }
         log.info("starting vLLM for %s on %s (log: %s)", self.model_dir, self.url, self.log_path)
-        with self.log_path.open("wb") as out:
+        # Appended: a restarted server's log follows the log of the one that died.
+        with self.log_path.open("ab") as out:
             self._process = subprocess.Popen(
                 command,
                 stdout=out,
@@ -98,8 +130,13 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
+                # Not left behind by a process killed before it could stop it (a policy
+                # server SIGKILLed): its restart would start a second one.
+                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
             )
         # A backend dropped without close() must not leave a 4 GB server behind.
+        if self._finalizer is not None:
+            self._finalizer.detach()  # the one of a server that died
         self._finalizer = weakref.finalize(self, _stop_process_group, self._process)
         await self._wait_healthy()
 
@@ -186,8 +223,12 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _port_is_free(host: str, port: int) -> bool:
+def _port_is_free(host: str, port: int, reuse: bool = False) -> bool:
+    """Whether `port` can be bound; `reuse`: as a server does (SO_REUSEADDR), past the
+    TIME_WAIT connections of a server that died on it."""
     with socket.socket() as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -198,6 +239,9 @@ def _port_is_free(host: str, port: int) -> bool:
 def _stop_process_group(process: subprocess.Popen) -> None:
     """SIGTERM the server's process group, then SIGKILL what is left after 20 s."""
     if process.poll() is not None:
+        # Its engine core and workers may outlive it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)

