@@ -82,6 +82,7 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
+    from lightning_core import serving
     from lightning_core.app import create_app
     from lightning_core.settings import ServeSettings
     from lightning_core.store.duckdb_store import DuckDBStore
@@ -106,6 +107,8 @@ def serve(
                 raise InvalidInput(f"--backend-options takes a JSON object: {exc}") from exc
         settings = ServeSettings(**{k: v for k, v in flags.items() if v is not None})
         settings.check_exposure()
+        # Before the store's, the backend's and uvicorn's threads first allocate.
+        serving.limit_malloc_arenas(settings.malloc_arenas)
         store = DuckDBStore(settings.store_config())
         gateway = _gateway(settings, store)
     except ValidationError as exc:

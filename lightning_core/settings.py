@@ -34,6 +34,12 @@ class ServeSettings(StoreConfig, GatewayConfig, BaseSettings):
         description="Largest request body accepted (64 MiB holds ~10k spans of 5 KB).",
     )
     log_level: str = Field("warning", description="uvicorn log level.")
+    malloc_arenas: int = Field(
+        2,
+        ge=0,
+        description="Most glibc malloc arenas of the server process; fewer arenas hold less "
+        "memory freed by one thread and never reused by another (0: glibc's default, 8 per core).",
+    )
     backend: Literal["transformers", "vllm", "none"] = Field(
         "transformers",
         description="Policy backend of the gateway: transformers (in process, CPU or GPU), "
