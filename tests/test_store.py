@@ -283,6 +283,33 @@ async def test_transitions_round_trip(store):
     assert len(await store.query_transitions()) == 2
 
 
+async def test_transitions_stored_again_are_read_once_as_last_written(store):
+    # A collect task retried after its answer was lost stores the same transitions again.
+    [rollout] = await store.enqueue_rollouts([RolloutRequest(input=0)])
+    first = [
+        Transition(
+            rollout_id=rollout.rollout_id,
+            attempt_id=attempt,
+            step=i,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            reward=0.0,
+            advantage=0.0,
+        )
+        for attempt in ("at-1", "at-2")
+        for i in range(2)
+    ]
+    await store.add_transitions(first)
+    again = [t.model_copy(update={"advantage": 1.0}) for t in first if t.attempt_id == "at-2"]
+    await store.add_transitions(again)
+
+    read = await store.query_transitions([rollout.rollout_id])
+    assert len(read) == 4  # each (attempt, step) once
+    by_key = {(t.attempt_id, t.step): t.advantage for t in read}
+    assert by_key == {("at-1", 0): 0.0, ("at-1", 1): 0.0, ("at-2", 0): 1.0, ("at-2", 1): 1.0}
+    assert [t.step for t in read] == sorted(t.step for t in read)
+
+
 async def test_policy_versions(store):
     base = PolicyVersion(name="base", base_model="smollm2")
     v1 = PolicyVersion(name="v1", base_model="smollm2", adapter_path="/tmp/v1")

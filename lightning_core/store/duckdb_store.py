@@ -553,7 +553,7 @@ class DuckDBStore:
         if where:
             sql += " WHERE " + " AND ".join(where)
         await self._sync()
-        rows = orjson.loads(await self._worker.query(sql + " ORDER BY rollout_id, step", params))
+        rows = orjson.loads(await self._worker.query(sql + schema.TRANSITIONS_READ_ORDER, params))
         return [Transition.model_validate(row) for row in rows]
 
     # ------------------------------------------------------------------ policy versions

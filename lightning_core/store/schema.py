@@ -129,6 +129,13 @@ TRANSITIONS = Table(
     ),
 )
 
+# How transitions are read back: one per (rollout, attempt, step), the last written. A collect
+# task retried after its answer was lost stores its transitions again; reads never double them.
+TRANSITIONS_READ_ORDER = (
+    " QUALIFY row_number() OVER (PARTITION BY rollout_id, attempt_id, step ORDER BY rowid DESC)"
+    " = 1 ORDER BY rollout_id, step"
+)
+
 POLICY_VERSIONS = Table(
     "policy_versions",
     (
