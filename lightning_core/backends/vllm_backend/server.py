@@ -23,7 +23,7 @@ import aiohttp
 
 from lightning_core.backends.vllm_backend.config import VLLMBackendConfig, VLLMUnavailable
 from lightning_core.errors import InvalidInput
-from lightning_core.serving import die_with_parent
+from lightning_core.serving import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class VLLMServer:
     async def start(self) -> None:
         python = await self._python()
         host = self.config.host
-        port = self.config.port or _free_port(host)
+        port = self.config.port or free_port(host)
         if self.config.port is not None and not _port_is_free(host, port):
             raise InvalidInput(
                 f"port {port} on {host} is in use; choose another port or leave "
@@ -215,12 +215,6 @@ class VLLMServer:
         if self._process is None or self._process.poll() is None:
             return ""
         return f"; the server exited ({self._process.returncode}), log tail:\n{self.log_tail()}"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _port_is_free(host: str, port: int, reuse: bool = False) -> bool:
