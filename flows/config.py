@@ -17,13 +17,16 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.collect import CreditConfig
 from lightning_core.curriculum import CurriculumConfig
+from lightning_core.offline import OfflineConfig
 from lightning_rl.registry.config import RegistryConfig
+
+DataSource = Literal["profile", "new_tasks", "episodes"]
 
 
 def _demo_trainer() -> TrainerConfig:
@@ -124,6 +127,45 @@ class TrainConfig(BaseModel):
         default_factory=lambda: RegistryConfig(registered_model=""),
         description="MLflow; an empty registered_model means the profile's.",
     )
+    # Recurring retraining (README "Retrain from production").
+    data: DataSource = Field(
+        "profile",
+        description="What the run trains on: profile (the agent's train split, the same every "
+        "run), new_tasks (online RL on the tasks appended to task_table since the previous "
+        "new_tasks run) or episodes (offline, on the production episodes of episodes_from whose "
+        "feedback arrived since the previous episodes run). With new_tasks or episodes, a run "
+        "that finds nothing new says so and ends without training or registering.",
+    )
+    task_table: str | None = Field(
+        None,
+        description="Folder of the appendable task table (Parquet files, `lightning-rl data "
+        "add-tasks`) that data=new_tasks reads; None: <run_dir>/data/<agent>-tasks.",
+    )
+    episodes_from: str | None = Field(
+        None,
+        description="URL of the production server (`lightning-rl production`) whose captured "
+        "episodes and feedback data=episodes trains on; its key from episodes_key_file, else "
+        "LIGHTNING_API_KEY.",
+    )
+    episodes_key_file: str | None = Field(
+        None, description="File holding the production server's API key (a path, never the key)."
+    )
+    offline: OfflineConfig = Field(
+        default_factory=OfflineConfig,
+        description="data=episodes: how feedback becomes a reward and how the off-policy "
+        "episodes are trained on (importance-weighted, or reward-filtered fine-tuning).",
+    )
+    warm_start: Literal["base", "champion"] = Field(
+        "base",
+        description="Start from the base model, or from the registered champion's adapter "
+        "(the base model when there is no champion yet, said in the log).",
+    )
+    benchmark_id: str | None = Field(
+        None,
+        description="Pin the held-out benchmark: the run stops before training unless its "
+        "test split has this id (a run's eval.benchmark_id tag in MLflow; a run pinned to "
+        "another id names the one it found).",
+    )
 
     @field_validator("run_name")
     @classmethod
@@ -131,6 +173,15 @@ class TrainConfig(BaseModel):
         if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,80}", value):
             raise ValueError("run_name may hold letters, digits, '.', '_' and '-' only")
         return value
+
+    @model_validator(mode="after")
+    def _episodes_need_a_source(self) -> TrainConfig:
+        if self.data == "episodes" and not self.episodes_from:
+            raise ValueError(
+                "data=episodes trains on a production server's episodes: set episodes_from "
+                "to its URL (e.g. http://127.0.0.1:4748)"
+            )
+        return self
 
 
 F = TypeVar("F", bound=Callable[..., Any])

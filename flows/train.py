@@ -51,7 +51,7 @@ from lightning_core.collect import Collected, CreditConfig
 from lightning_core.comparison import compare
 from lightning_core.curriculum import Curriculum, group_signal
 from lightning_core.errors import InvalidInput
-from lightning_core.evaluation import EvalResult
+from lightning_core.evaluation import EvalResult, benchmark_id
 from lightning_core.rewards import AIRRule
 from lightning_core.types import RolloutStatus
 from lightning_rl.flows.config import TrainConfig, train_config_parameters
@@ -62,10 +62,12 @@ from lightning_rl.flows.run_state import (
     default_run_name,
     load_checkpoint,
     run_folder,
+    run_path,
     save_checkpoint,
     save_config,
 )
-from lightning_rl.registry.config import resolve
+from lightning_rl.registry.config import RegistryConfig, resolve
+from lightning_rl.registry.datasets import log_dataset
 from lightning_rl.registry.names import TAG_BENCHMARK_ID
 from lightning_rl.registry.runs import (
     log_artifact,
@@ -74,6 +76,8 @@ from lightning_rl.registry.runs import (
     set_run_tags,
     tracking,
 )
+from lightning_rl.registry.versions import champion_adapter, record_score
+from lightning_rl.tasks import data as data_plan
 from lightning_rl.tasks import progress, report
 from lightning_rl.tasks.analysis import analyze_iteration
 from lightning_rl.tasks.evaluation import evaluate_policy
@@ -86,6 +90,7 @@ from lightning_rl.tasks.training import (
     ensure_gpu_limit,
     publish_policy,
     train_agent_policies,
+    train_offline,
     train_policy,
 )
 
@@ -127,6 +132,11 @@ def _policy_agents(config: TrainConfig, agent: AgentProfile) -> list[str] | None
     """The agents that get a policy each with policy_per_agent; None: one shared policy."""
     if not config.policy_per_agent:
         return None
+    if config.data == "episodes":
+        raise InvalidInput(
+            "policy_per_agent with data=episodes is not supported yet: train production "
+            "episodes into one shared policy (policy_per_agent=false)"
+        )
     names = config.train_agents or agent.train_agents
     if not names:
         raise InvalidInput(
@@ -164,7 +174,21 @@ def _load_tasks(
     return profile(agent, loader).load_tasks(split, size, source)
 
 
-def _train_tasks(config: TrainConfig) -> list[dict[str, Any]]:
+@functools.lru_cache(maxsize=8)
+def _plan_tasks(root: str) -> list[dict[str, Any]]:
+    return data_plan.load_plan_tasks(root)
+
+
+@functools.lru_cache(maxsize=2)
+def _plan_batch(root: str) -> Any:
+    return data_plan.load_plan_batch(root)
+
+
+def _train_tasks(config: TrainConfig, root: str | None = None) -> list[dict[str, Any]]:
+    """The tasks rollouts draw from: the agent's train split, or (data=new_tasks) the task
+    table's new tasks the run's data plan saved in its folder."""
+    if config.data == "new_tasks" and root is not None:
+        return _plan_tasks(root)
     return _load_tasks(config.agent, config.tasks, "train", config.train_size, config.task_source)
 
 
@@ -252,6 +276,13 @@ def _rollout_rounds(
     return merged, sampled
 
 
+def _offline_data(run: RunContext) -> tuple[Collected, dict[str, float]]:
+    """data=episodes: every iteration trains on the run's episodes (an epoch each)."""
+    batch = _plan_batch(run.root)
+    collected = Collected(transitions=list(batch.transitions), facts=dict(batch.facts))
+    return collected, batch.metrics()
+
+
 def _evaluate(config: TrainConfig, agent: AgentProfile, run: RunContext, policy: str) -> EvalResult:
     # An async task (its timeout can cancel it); submitted, it runs on the task runner.
     return evaluate_policy.submit(
@@ -307,9 +338,12 @@ def train_iteration(
     it = iteration
     policy = checkpoint.policy or run.base_model
     progress.report(run.root, "iteration", iteration=it, policy=policy)
-    curriculum = Curriculum(_train_tasks(config), config.curriculum, config.seed)
+    curriculum = Curriculum(_train_tasks(config, run.root), config.curriculum, config.seed)
     curriculum.learnability.update(checkpoint.learnability)
-    collected, sampled = _rollout_rounds(config, agent, run, curriculum, policy, it)
+    if config.data == "episodes":
+        collected, sampled = _offline_data(run)
+    else:
+        collected, sampled = _rollout_rounds(config, agent, run, curriculum, policy, it)
     analysis = analyze_iteration(
         run.root, it, collected, artifact_key=report.artifact_key(agent.name, "agent-breakdown")
     )
@@ -317,7 +351,17 @@ def train_iteration(
     trainer_config = config.trainer.model_copy(update={"model": config.model, "seed": config.seed})
     adapter_dir = str(Path(run.root) / "adapters" / f"v{it}")
     previous = checkpoint.adapter_dir or None
-    if policy_agents:
+    if config.data == "episodes":
+        trained = train_offline(
+            trainer_config,
+            _plan_batch(run.root),
+            previous,
+            adapter_dir,
+            config.offline,
+            config.updates_per_iteration,
+            config.seed + it,
+        )
+    elif policy_agents:
         trained = train_agent_policies(
             agent_trainer_configs(trainer_config, policy_agents),
             collected.transitions,
@@ -410,6 +454,144 @@ def _iterations_table(agent: AgentProfile, run_name: str, history: list[dict[str
     )
 
 
+def _check_benchmark(config: TrainConfig, agent: AgentProfile, tasks: list[dict[str, Any]]) -> str:
+    """The held-out benchmark's id; with a pinned one, the run stops unless they agree."""
+    found = benchmark_id(
+        tasks, agent=agent.agent, threshold=_credit(config, agent).success_threshold
+    )
+    if config.benchmark_id is not None and found != config.benchmark_id:
+        raise InvalidInput(
+            f"the held-out benchmark is {found}, but the run pins benchmark_id="
+            f"{config.benchmark_id}: its tasks or how they are scored changed (eval_size, "
+            "task_source, the agent or its dataset). Scores on different benchmarks are not "
+            f"comparable; pin {found} once you mean to move to it"
+        )
+    return found
+
+
+def _plan_data(
+    config: TrainConfig, agent: AgentProfile, registry: RegistryConfig
+) -> tuple[data_plan.DataPlan, list[dict[str, Any]] | None, Any]:
+    """(plan, the new tasks, the offline batch): what this run trains on."""
+    if config.data == "new_tasks":
+        plan, tasks = data_plan.plan_new_tasks(
+            data_plan.table_folder(config, agent.name), registry, agent.name
+        )
+        return plan, tasks, None
+    if config.data == "episodes":
+        offline = config.offline
+        if "success_threshold" not in offline.model_fields_set:
+            threshold = _credit(config, agent).success_threshold
+            offline = offline.model_copy(update={"success_threshold": threshold})
+        plan, batch = data_plan.plan_episodes(
+            str(config.episodes_from),
+            config.episodes_key_file,
+            registry,
+            agent.name,
+            offline,
+            config.train_agents or agent.train_agents,
+        )
+        return plan, None, batch
+    return data_plan.plan_profile(agent.name, _train_tasks(config)), None, None
+
+
+def _nothing_new(agent: AgentProfile, run_name: str, plan: data_plan.DataPlan) -> dict[str, Any]:
+    """A recurring run with no new data: it says so (log, Prefect artifact) and ends."""
+    reason = plan.reason()
+    get_run_logger().info("%s", reason)
+    create_markdown_artifact(
+        f"# {agent.name}: nothing new to train on\n\n{reason}.\n\n"
+        f"Data: `{plan.source}` from `{plan.source_uri}`, read through `{plan.after}`.",
+        key=report.artifact_key(agent.name, "training-report"),
+        description=f"Run {run_name} found no new data",
+    )
+    return {
+        "run": run_name,
+        "agent": agent.name,
+        "skipped": True,
+        "reason": reason,
+        "data": plan.model_dump(),
+    }
+
+
+def _log_datasets(
+    config: TrainConfig,
+    registry: RegistryConfig,
+    run_id: str,
+    root: Path,
+    plan: data_plan.DataPlan,
+    test_tasks: list[dict[str, Any]],
+    benchmark: str,
+    agent: AgentProfile,
+) -> None:
+    """The run's training data and benchmark as MLflow input datasets, and the plan's tags."""
+    if plan.source == "episodes":
+        rows = [dict(e) for e in _plan_batch(str(root)).episodes]
+    elif plan.source == "new_tasks":
+        rows = _plan_tasks(str(root))
+    else:
+        rows = _train_tasks(config)
+    log_dataset(
+        rows,
+        name=plan.name,
+        dataset_id=plan.dataset_id,
+        content_hash=plan.content_hash,
+        context="training",
+        source=plan.source_uri,
+        run_id=run_id,
+        config=registry,
+    )
+    log_dataset(
+        test_tasks,
+        name=f"{agent.name}-heldout",
+        dataset_id=benchmark,
+        content_hash=data_plan.content_hash(test_tasks),
+        context="evaluation",
+        source=f"agent profile {agent.name}, test split",
+        run_id=run_id,
+        config=registry,
+    )
+    set_run_tags(plan.tags(), run_id=run_id)
+
+
+def _warm_start(
+    config: TrainConfig, registry: RegistryConfig, run: RunContext, checkpoint: Checkpoint
+) -> tuple[Checkpoint, str | None]:
+    """With warm_start=champion, the champion's adapter becomes the run's policy v0; returns
+    the checkpoint and the champion's version (None: starting from the base model)."""
+    log = get_run_logger()
+    if config.warm_start != "champion":
+        return checkpoint, None
+    found = champion_adapter(registry, "champion", dst=Path(run.root) / "warm_start")
+    if found is None:
+        log.info(
+            "warm start: %s has no champion yet, so this run starts from the base model",
+            registry.registered_model,
+        )
+        set_run_tags({"warm_start": "base (no champion)"}, run_id=checkpoint.mlflow_run_id)
+        return checkpoint, None
+    policy = publish_policy(
+        run.server_url,
+        f"{run.run_name}-v0",
+        run.base_model,
+        str(found.adapter),
+        0,
+        key_file=run.key_file,
+    )
+    log.info(
+        "warm start from %s version %s (champion, registered score %s)",
+        registry.registered_model,
+        found.version,
+        found.score,
+    )
+    set_run_tags(
+        {"warm_start": f"{registry.registered_model}/{found.version}"},
+        run_id=checkpoint.mlflow_run_id,
+    )
+    started = checkpoint.model_copy(update={"policy": policy, "adapter_dir": str(found.adapter)})
+    return started, found.version
+
+
 def run_training(config: TrainConfig) -> dict[str, Any]:
     """The flow's body, for a validated config."""
     log = get_run_logger()
@@ -418,16 +600,36 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     run_name = config.run_name or default_run_name(agent.name)
     # The saved config names its run, so `--resume` finds the same name.
     config = config.model_copy(update={"run_name": run_name})
+    registry_config = resolve(config.registry, agent.registered_model)
+    test_tasks = _test_tasks(config)
+    benchmark = _check_benchmark(config, agent, test_tasks)
+    # A resumed run trains on the data it planned when it started; a new one plans it now,
+    # and ends here, before any run folder or MLflow run exists, when nothing is new.
+    resumed = load_checkpoint(run_path(config.run_dir, run_name)) is not None
+    plan = data_plan.load_plan(run_path(config.run_dir, run_name)) if resumed else None
+    new_tasks = batch = None
+    if plan is None:
+        plan, new_tasks, batch = _plan_data(config, agent, registry_config)
+        if plan.empty and config.data != "profile" and not resumed:
+            return _nothing_new(agent, run_name, plan)
     root, checkpoint = _start_or_resume(config, run_name)
     if config.rollout_timeout_s is None:
         config = config.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
-    registry_config = resolve(config.registry, agent.registered_model)
-    train_tasks, test_tasks = _train_tasks(config), _test_tasks(config)
+    if new_tasks is not None or batch is not None or not (root / "data").exists():
+        data_plan.save_plan(root, plan, new_tasks, batch)
+    train_tasks = _train_tasks(config, str(root))
     started = time.time()
     ensure_gpu_limit()
     progress.report(root, "start", run=run_name, iterations=config.iterations)
     log.info(
-        "run %s in %s: %d train / %d test tasks", run_name, root, len(train_tasks), len(test_tasks)
+        "run %s in %s: %d train / %d test tasks; data %s (%d rows, %s)",
+        run_name,
+        root,
+        len(train_tasks),
+        len(test_tasks),
+        plan.dataset_id,
+        plan.rows,
+        plan.source,
     )
 
     with (
@@ -466,6 +668,16 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                 },
                 run_id=checkpoint.mlflow_run_id,
             )
+            _log_datasets(
+                config,
+                registry_config,
+                checkpoint.mlflow_run_id,
+                root,
+                plan,
+                test_tasks,
+                benchmark,
+                agent,
+            )
         else:
             cancelled = _cancel_unfinished(server.url, server.key_file)
             log.info(
@@ -478,7 +690,12 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             "policy server %s serving %s (log: %s)", server.url, server.base_model, server.log_path
         )
         if checkpoint.iteration < 0:
-            base = _evaluate(config, agent, run, server.base_model)
+            checkpoint, champion = _warm_start(config, registry_config, run, checkpoint)
+            base = _evaluate(config, agent, run, checkpoint.policy or server.base_model)
+            if champion is not None and base.benchmark_id is not None:
+                # The champion's score on this benchmark, on its version: what the gate
+                # compares this run's adapter with.
+                record_score(registry_config, champion, base.score, base.benchmark_id, base.tasks)
             evaluations = _record_evaluation(run, checkpoint, 0, base)
             checkpoint = checkpoint.model_copy(update={"iteration": 0, "evaluations": evaluations})
             save_checkpoint(root, checkpoint)
@@ -521,6 +738,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             run_id=checkpoint.mlflow_run_id,
         )
         log.info("registry: %s", decision.reason)
+        # The data is taken: the next recurring run reads on from this run's watermark.
+        set_run_tags({data_plan.TAG_COMPLETE: "true"}, run_id=checkpoint.mlflow_run_id)
 
         con = analytics.connect(root, ":memory:")
         try:
@@ -547,6 +766,9 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             "reward_curve": str(curve),
             "minutes": round((time.time() - started) / 60, 1),
             "mlflow_run_id": checkpoint.mlflow_run_id,
+            "data": plan.model_dump(),
+            "benchmark_id": benchmark,
+            "warm_start": config.warm_start,
         }
         create_markdown_artifact(
             report.markdown(title, history, evals, curve, decision.reason, extra=summary),

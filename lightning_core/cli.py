@@ -347,6 +347,104 @@ async def _run_agent(agent, server, config, api_key, max_rollouts):
         await client.close()
 
 
+data_app = typer.Typer(
+    name="data",
+    help="Task tables: folders of Parquet files that training reads new tasks from.",
+    no_args_is_help=True,
+)
+app.add_typer(data_app)
+
+
+@data_app.command("add-tasks")
+def add_tasks(
+    table: Annotated[str, typer.Argument(help="The task table's folder (created if new).")],
+    file: Annotated[
+        str,
+        typer.Argument(
+            help="Tasks to add: a .jsonl file (one JSON object a line) or a .json list of "
+            "objects, each with a string 'id'; '-' reads standard input."
+        ),
+    ],
+    note: Annotated[
+        str | None, typer.Option(help="A word on where the tasks came from, kept with them.")
+    ] = None,
+) -> None:
+    """Append tasks to a task table as one new file; ids already in the table are refused."""
+    from lightning_core.task_table import TaskTable
+
+    try:
+        tasks = _read_tasks(file)
+        tasks_table = TaskTable(table)
+        name = tasks_table.append(tasks, note=note)
+        whole = tasks_table.snapshot()
+    except LightningError as exc:
+        _fail(exc)
+    typer.echo(f"added {len(tasks)} tasks to {table} as {name}")
+    typer.echo(
+        f"table: {len(whole.files)} file{'' if len(whole.files) == 1 else 's'}, {whole.rows} "
+        f"tasks, dataset id {whole.dataset_id}"
+    )
+
+
+@data_app.command("show")
+def show(
+    table: Annotated[str, typer.Argument(help="The task table's folder.")],
+) -> None:
+    """List a task table's files with their rows, and the identity of the whole table."""
+    from pathlib import Path
+
+    from lightning_core.errors import NotFound
+    from lightning_core.task_table import TaskTable
+
+    try:
+        if not Path(table).is_dir():
+            raise NotFound(
+                f"no task table at {table}: `lightning-rl data add-tasks {table} FILE` creates it"
+            )
+        tasks_table = TaskTable(table)
+        counts = tasks_table.counts()
+        whole = tasks_table.snapshot()
+    except LightningError as exc:
+        _fail(exc)
+    width = max([len("file"), *(len(name) for name in counts)])
+    typer.echo(f"{'file':<{width}} {'rows':>8}")
+    for name, rows in counts.items():
+        typer.echo(f"{name:<{width}} {rows:>8}")
+    typer.echo(f"{'total':<{width}} {whole.rows:>8}")
+    typer.echo(f"dataset id {whole.dataset_id}")
+    typer.echo(f"content hash {whole.content_hash}")
+
+
+def _read_tasks(file: str) -> list:
+    """Tasks from a JSON list or JSON lines (told apart by the first character), or stdin."""
+    import json
+    from pathlib import Path
+
+    source = "standard input" if file == "-" else file
+    try:
+        text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"cannot read tasks from {source}: {exc}") from exc
+    if text.lstrip().startswith("["):
+        try:
+            tasks = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{source} is not a JSON list: {exc}") from exc
+        return tasks
+    tasks = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            tasks.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(
+                f"{source} line {number} is not JSON ({exc}); give one JSON object a line, "
+                "or a JSON list"
+            ) from exc
+    return tasks
+
+
 def main() -> None:
     try:
         app()

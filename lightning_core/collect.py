@@ -57,7 +57,7 @@ class Collected:
         return [t for t in self.transitions if t.advantage]
 
 
-def _tool_counts(spans: Sequence[Span]) -> tuple[int, int]:
+def tool_counts(spans: Sequence[Span]) -> tuple[int, int]:
     tools = [s for s in spans if s.name == semconv.TOOL_SPAN]
     errors = sum(1 for s in tools if s.attributes.get(semconv.TOOL_SUCCESS) is False)
     return len(tools), errors
@@ -84,7 +84,7 @@ def collect(
         mine = by_rollout.get(rollout.rollout_id, [])
         succeeded = rollout.status is RolloutStatus.succeeded
         transitions = spans_to_transitions(mine, rollout, adapter) if succeeded else []
-        calls, errors = _tool_counts(mine)
+        calls, errors = tool_counts(mine)
         final = rollout.episode_return if succeeded and rollout.episode_return is not None else 0.0
         out.facts[rollout.rollout_id] = RolloutFacts(
             group_id=rollout.group_id,

@@ -6,6 +6,8 @@ works the same against the in-process store and a remote one.
 
 from __future__ import annotations
 
+import orjson
+
 
 class LightningError(Exception):
     """Base of every error that says what the user did wrong and how to fix it."""
@@ -87,3 +89,18 @@ ERRORS_BY_NAME: dict[str, type[LightningError]] = {
         StoreUnavailable,
     )
 }
+
+
+def error_from_answer(status: int, payload: bytes) -> LightningError:
+    """The error a server's 4xx/5xx answer stands for, raised again on the client's side: the
+    class named in its `{"error": {"type", "message"}}` body; a 5xx without one is
+    StoreUnavailable (the server is in trouble, not the request)."""
+    try:
+        error = orjson.loads(payload)["error"]
+        cls = ERRORS_BY_NAME.get(error["type"], LightningError)
+        return cls(error["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        text = payload[:500].decode(errors="replace")
+        if status >= 500:
+            return StoreUnavailable(f"store answered {status}: {text}")
+        return LightningError(f"store answered {status}: {text}")

@@ -32,6 +32,11 @@ AGENT_NAME = "lightning.agent_name"
 # The header (or request metadata key) an agent names itself with in a multi-agent system.
 AGENT_HEADER = "X-Lightning-Agent"
 AGENT_METADATA_KEY = "agent_name"
+# The header (or request metadata key) a production agent names its episode with (a session or
+# conversation id), on the plain /v1 routes; the gateway records the call on that episode and
+# answers with the header (with a new id when it captures every call).
+EPISODE_HEADER = "X-Lightning-Episode"
+EPISODE_METADATA_KEY = "episode_id"
 
 # Spans an agent's code emits with the tracing API.
 TOOL_SPAN = "lightning.tool"

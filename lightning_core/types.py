@@ -6,15 +6,16 @@ rows compare and sort the same in Python, JSON and DuckDB.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lightning_core.backends.base import Constraint
-from lightning_core.errors import IllegalTransition
+from lightning_core.errors import IllegalTransition, InvalidInput
 
 # Rewards must be real numbers: a NaN or an infinity poisons every mean it enters.
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -38,6 +39,9 @@ class RolloutMode(StrEnum):
     train = "train"
     val = "val"
     test = "test"
+    # An episode captured from production traffic through the gateway (open_episode): never
+    # queued, never claimed by a runner, never timed out; its reward arrives later as feedback.
+    production = "production"
 
 
 class RolloutStatus(StrEnum):
@@ -128,6 +132,17 @@ class RolloutRequest(_Model):
     @classmethod
     def for_task(cls, task: Task, **kwargs: Any) -> RolloutRequest:
         return cls(input=task.input, task_id=task.id, **kwargs)
+
+    @model_validator(mode="after")
+    def _not_an_episode(self) -> RolloutRequest:
+        if self.mode is RolloutMode.production or (self.rollout_id or "").startswith(
+            EPISODE_ROLLOUT_PREFIX
+        ):
+            raise ValueError(
+                "a production rollout (mode production, id starting with 'ep-') is not "
+                "enqueued: it is an episode the gateway opens for calls carrying an episode id"
+            )
+        return self
 
 
 class Rollout(_Model):
@@ -271,4 +286,75 @@ class LLMEndpoint(_Model):
         default_factory=dict,
         description="Sampling the algorithm asks for (temperature, top_p, max_tokens); an agent "
         "passes these to its client where it can. Evaluation asks for temperature 0.",
+    )
+
+
+# ---------------------------------------------------------------------------- production episodes
+
+# An episode id comes from a production agent (a session or conversation id); `:` is allowed for
+# ids such as "tenant:session". 128 characters bound what one header may make the store keep.
+EPISODE_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
+FEEDBACK_SOURCE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}"
+_EPISODE_ID = re.compile(EPISODE_ID_PATTERN)
+# The rollout of an episode is named after it, so that the same id always finds the same rollout.
+EPISODE_ROLLOUT_PREFIX = "ep-"
+
+
+def episode_rollout_id(episode_id: str) -> str:
+    """The id of the rollout that records episode `episode_id`; InvalidInput for a bad id."""
+    if not isinstance(episode_id, str) or _EPISODE_ID.fullmatch(episode_id) is None:
+        raise InvalidInput(
+            f"episode id {str(episode_id)[:200]!r} is not valid: use 1 to 128 letters, digits, "
+            "'.', '_', ':' or '-', starting with a letter or a digit"
+        )
+    return f"{EPISODE_ROLLOUT_PREFIX}{episode_id}"
+
+
+# A feedback value must be a JSON number: a string ("0.5", "NaN") is refused, not coerced, so a
+# client that sends the wrong type learns it at once instead of training on what we guessed.
+FeedbackValue = Annotated[float, Field(allow_inf_nan=False, strict=True)]
+
+
+class FeedbackIn(_Model):
+    """A reward for a production episode, given after the fact (a user's rating, a check)."""
+
+    value: FeedbackValue = Field(description="The reward: a finite number.")
+    source: str = Field(
+        "user",
+        pattern=f"^{FEEDBACK_SOURCE_PATTERN}$",
+        description="Who or what gave it (user, judge, tests, ...); one value counts per "
+        "(episode, source), the newest.",
+    )
+    time: FiniteFloat | None = Field(
+        None,
+        ge=0,
+        description="When the signal happened, in seconds since the epoch; None: now.",
+    )
+    comment: str | None = Field(None, max_length=2000, description="Free text, e.g. why.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form labels.")
+
+
+class Feedback(_Model):
+    """A recorded feedback row; the newest per (episode, source) is the one that counts."""
+
+    seq: int = Field(
+        description="Store-wide order of recorded changes, strictly increasing: a run that "
+        "read everything up to seq S reads what came later with after_seq=S."
+    )
+    episode_id: str
+    source: str
+    value: FiniteFloat
+    time: float = Field(description="When the signal happened (seconds since the epoch).")
+    recorded_at: float = Field(description="When the store recorded it.")
+    comment: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class FeedbackReceipt(_Model):
+    """The answer to a feedback: the row that counts now, and what the feedback changed."""
+
+    feedback: Feedback
+    status: Literal["recorded", "unchanged", "replaced"] = Field(
+        description="recorded: the first of its (episode, source); unchanged: the same value "
+        "and comment again (no new row); replaced: a new value, with a new seq."
     )

@@ -25,6 +25,7 @@ from prefect.concurrency.sync import concurrency
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.errors import Conflict
+from lightning_core.offline import OfflineBatch, OfflineConfig, choose_method, filtered
 from lightning_core.types import PolicyVersion, Transition
 from lightning_rl.tasks.server import store_client
 
@@ -121,6 +122,49 @@ def train_policy(
             random.Random(seed).shuffle(batch)
             parts = max(1, min(updates, len(batch)))
             steps = [trainer.step(batch[i::parts]) for i in range(parts)]
+            metrics |= _mean(steps)
+        _save(trainer, adapter_dir)
+    return metrics
+
+
+# No retries, as train-policy.
+@task(name="train-offline", timeout_seconds=6 * 3600, tags=["gpu"], cache_policy=NO_CACHE)
+def train_offline(
+    trainer_config: TrainerConfig,
+    batch: OfflineBatch,
+    previous_adapter: str | None,
+    adapter_dir: str,
+    offline: OfflineConfig,
+    updates: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Continue the adapter in `previous_adapter` on captured production episodes.
+
+    The episodes were sampled by the policy that served them, not by this one. First the gap
+    between the two is measured on their tokens; while it is small the policy-gradient update
+    corrects for it by the ratio to the recorded logprobs (importance weighting, clipped), and
+    past `offline.max_behaviour_kl` (or when asked) the update is reward-filtered fine-tuning
+    on the episodes that did well instead (offline.py).
+    """
+    with concurrency(GPU_LIMIT, occupy=1, strict=True):
+        trainer = _trainer(trainer_config, previous_adapter)
+        gap = trainer.behaviour_gap(batch.transitions) if batch.transitions else {}
+        method = offline.method if offline.method != "auto" else choose_method(gap, offline)
+        if method == "filtered":
+            chosen, objective = filtered(batch, offline), "likelihood"
+        else:
+            chosen, objective = [t for t in batch.transitions if t.advantage], "policy_gradient"
+        metrics: dict[str, Any] = {
+            **gap,
+            "offline/filtered": 1.0 if method == "filtered" else 0.0,
+            "train/transitions": float(len(chosen)),
+            "train/skipped_transitions": float(len(batch.transitions) - len(chosen)),
+        }
+        if chosen:
+            chosen = list(chosen)
+            random.Random(seed).shuffle(chosen)
+            parts = max(1, min(updates, len(chosen)))
+            steps = [trainer.step(chosen[i::parts], objective=objective) for i in range(parts)]
             metrics |= _mean(steps)
         _save(trainer, adapter_dir)
     return metrics

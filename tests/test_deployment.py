@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_core.task_table import TaskTable
+from lightning_rl.agents.calc.data import fresh_tasks
 from tests.conftest import free_port
 from tests.helpers import wait_healthy
 
@@ -83,27 +85,42 @@ def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> N
             "rollout_concurrency": 2,
             "run_dir": str(tmp_path / "runs"),
             "run_name": "deployed",
+            # The deployment pins the 200-task calc benchmark; this run evaluates on 3 tasks.
+            "benchmark_id": None,
             "registry": {
                 "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
                 "registered_model": "deployed-calc",
             },
         }
-        run = prefect(
-            "deployment",
-            "run",
-            "train/calc",
-            "--param",
-            "iterations=1",
-            "--params",
-            json.dumps(params),
-            "--watch",
-            "--watch-timeout",
-            "600",
-            timeout=700,
-        )
-        assert "Completed" in run.stdout, run.stdout + (logs / "worker.log").read_text()[-3000:]
+
+        def run_deployment(run_params: dict) -> str:
+            run = prefect(
+                "deployment",
+                "run",
+                "train/calc",
+                "--param",
+                "iterations=1",
+                "--params",
+                json.dumps(run_params),
+                "--watch",
+                "--watch-timeout",
+                "600",
+                timeout=700,
+            )
+            worker_tail = (logs / "worker.log").read_text()[-3000:]
+            assert "Completed" in run.stdout, run.stdout + worker_tail
+            return (logs / "worker.log").read_text()
+
+        # The weekly schedule's run with no new tasks in the table: it says so, trains nothing.
+        worker_log_text = run_deployment({**params, "run_name": "deployed-empty"})
+        assert "no new tasks" in worker_log_text
+        assert not (tmp_path / "runs" / "deployed-empty").exists()
+        # A week of new tasks appended: the next run trains on them, and on them only.
+        TaskTable(tmp_path / "runs" / "data" / "calc-tasks").append(fresh_tasks(4, seed=1))
+        run_deployment(params)
         summary = json.loads((tmp_path / "runs" / "deployed" / "summary.json").read_text())
         assert summary["iterations"] == 1 and summary["policy_version"] == "deployed-v1"
+        assert summary["data"]["source"] == "new_tasks" and summary["data"]["rows"] == 4
         # A parameter the flow's config refuses fails the run's creation, not deep inside it.
         bad = subprocess.run(
             [*PREFECT, "deployment", "run", "train/calc", "--param", "iterations=many"],

@@ -9,11 +9,21 @@ Sources:
 
 A task is a plain dict `{"id", "question", "answer", "source"}`: the agent needs nothing else.
 Splits are made disjoint by question text: a test question never appears in train.
+
+`fresh_tasks(size, seed)` makes new arithmetic tasks, as a week of new training data would be:
+each seed its own stream, none of them a question of the test or train split. As a command, it
+prints them as JSON lines for a task table:
+
+    python -m lightning_rl.agents.calc.fresh --fresh 200 --seed 1 | \
+        lightning-rl data add-tasks runs/data/calc-tasks -
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
+import sys
 from typing import Any, Literal
 
 from lightning_rl.agents.calc.calculator import CalculatorError, evaluate
@@ -113,3 +123,51 @@ def load_tasks(split: Split, size: int, source: Source = "arithmetic") -> list[d
     return [
         {"id": f"{source}-{split}-{i}", **item, "source": source} for i, item in enumerate(items)
     ]
+
+
+# Fresh tasks stay clear of every test split of up to this size and every train split of up to
+# FRESH_TRAIN_GUARD (the train split's default is 2000).
+FRESH_TEST_GUARD = 1000
+FRESH_TRAIN_GUARD = 2000
+
+
+def fresh_tasks(size: int, seed: int) -> list[dict[str, Any]]:
+    """`size` new arithmetic tasks, the same for the same seed, never a test or train question."""
+    if size < 1:
+        raise ValueError(f"size must be at least 1, not {size}")
+    # load_tasks("test", n) draws from the first 2n items of the test stream, and train from
+    # the first n of its own: excluding those prefixes covers every split up to the guards.
+    taken = {t["question"] for t in _arithmetic("test", 2 * FRESH_TEST_GUARD)}
+    taken |= {t["question"] for t in _arithmetic("train", FRESH_TRAIN_GUARD)}
+    # A string seed picks a stream of its own, apart from the splits' integer seeds.
+    rng = random.Random(f"calc-fresh-{seed}")
+    tasks: list[dict[str, Any]] = []
+    while len(tasks) < size:
+        expression = _generated_expression(rng)
+        question = rng.choice(_PHRASES).format(e=expression)
+        if question in taken:
+            continue
+        taken.add(question)
+        tasks.append(
+            {
+                "id": f"arithmetic-fresh{seed}-{len(tasks)}",
+                "question": question,
+                "answer": int(evaluate(expression)),
+                "source": "arithmetic",
+            }
+        )
+    return tasks
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_rl.agents.calc.fresh",
+        description="Print new arithmetic tasks as JSON lines (for `lightning-rl data add-tasks`).",
+    )
+    parser.add_argument("--fresh", type=int, required=True, metavar="N", help="tasks to make")
+    parser.add_argument("--seed", type=int, default=0, help="stream of tasks (one per week, say)")
+    args = parser.parse_args(argv)
+    if args.fresh < 1:
+        parser.error(f"--fresh must be at least 1, not {args.fresh}")
+    for task in fresh_tasks(args.fresh, args.seed):
+        sys.stdout.write(json.dumps(task) + "\n")

@@ -11,6 +11,10 @@ Aggregation over a batch of sequences (mask marks response tokens):
 - token-mean: every token weighs the same (long answers weigh more);
 - seq-mean-token-sum: sum over each sequence's tokens, mean over sequences;
 - seq-mean-token-mean: mean over each sequence's tokens, then over sequences (GRPO's original).
+
+The likelihood loss (reward-filtered fine-tuning of offline data, see offline.py) is the mean
+negative log-likelihood of the response tokens, aggregated the same ways and with the same
+optional KL penalty: no ratio, no advantage, every kept token pulled up alike.
 """
 
 from __future__ import annotations
@@ -43,6 +47,28 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) ->
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(q || p) from samples of q, given log(p / q) at them."""
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def _kl_penalty(
+    per_token: torch.Tensor,
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+) -> tuple[torch.Tensor, float]:
+    """The per-token loss with the KL penalty to the reference added, and the mean KL."""
+    if ref_logprobs is None:
+        return per_token, 0.0
+    kl = k3(ref_logprobs - logprobs)
+    kl_value = float(aggregate(kl.detach(), mask, "token-mean"))
+    if kl_coef:
+        per_token = per_token + kl_coef * kl
+    return per_token, kl_value
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -60,18 +86,27 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    kl_value = 0.0
-    if ref_logprobs is not None:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1.0
-        kl_value = float(aggregate(kl.detach(), mask, "token-mean"))
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
+    per_token, kl_value = _kl_penalty(per_token, logprobs, mask, ref_logprobs, kl_coef)
     with torch.no_grad():
         was_clipped = (clipped > unclipped).to(mask.dtype)
         clip_frac = float((was_clipped * mask).sum() / mask.sum().clamp(min=1.0))
         ratio_mean = float((ratio * mask).sum() / mask.sum().clamp(min=1.0))
     return LossOutput(aggregate(per_token, mask, aggregation), clip_frac, kl_value, ratio_mean)
+
+
+def likelihood_loss(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: Aggregation = "token-mean",
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossOutput:
+    """Negative log-likelihood of the masked tokens over [batch, tokens] tensors.
+
+    Nothing is clipped and every token weighs 1, so clip_frac is 0 and ratio_mean 1."""
+    mask = mask.to(logprobs.dtype)
+    per_token, kl_value = _kl_penalty(-logprobs, logprobs, mask, ref_logprobs, kl_coef)
+    return LossOutput(aggregate(per_token, mask, aggregation), 0.0, kl_value, 1.0)
 
 
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> float:

@@ -7,6 +7,11 @@ weighted so that the update equals one over the whole batch; then the gradient i
 AdamW steps. Each saved version holds the adapter (PEFT format) and the optimizer state, so that
 training resumes exactly where it stopped.
 
+Offline data (production episodes, sampled by an earlier policy) trains either by the same
+policy-gradient step, whose ratio to the recorded logprobs corrects for the policy having moved,
+or, when it moved too far for that (`behaviour_gap` measures how far), by the likelihood
+objective on the good episodes only (see offline.py).
+
 A policy with one adapter per agent of a multi-agent system is one trainer per agent, each saved
 into a sub-folder named after its agent (`<policy>/<agent>/`); `agent_adapter_dirs` reads that
 layout back, for publishing and registering the agents' adapters together.
@@ -17,13 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.constrained import GrammarReplay, MaskedSpan, renormalise
-from lightning_core.algo.losses import entropy_from_logits, policy_loss
+from lightning_core.algo.losses import entropy_from_logits, k3, likelihood_loss, policy_loss
 from lightning_core.errors import InvalidInput
 from lightning_core.models import resolve_model
 from lightning_core.types import Transition
@@ -31,6 +36,11 @@ from lightning_core.types import Transition
 STATE_FILE = "trainer_state.pt"
 # The file that marks a folder as one PEFT adapter.
 ADAPTER_CONFIG = "adapter_config.json"
+# policy_gradient: PPO-clip on advantages; likelihood: maximise the responses' log-likelihood.
+Objective = Literal["policy_gradient", "likelihood"]
+# Log-ratios beyond this are clamped in behaviour_gap: the gap stays finite (e^20 already says
+# "far off") on a token the recorded policy found near impossible.
+MAX_LOG_RATIO = 20.0
 
 
 def agent_adapter_dirs(folder: str | Path) -> dict[str, Path]:
@@ -139,7 +149,9 @@ class LoRATrainer:
             attention[i, : len(seq)] = 1
             start, end = len(t.prompt_token_ids) - 1 - first, len(seq) - 1 - first
             mask[i, start:end] = 1
-            old[i, start:end] = torch.tensor(t.response_logprobs, dtype=torch.float32)
+            # Always there for the policy gradient (_check); the likelihood does not need them.
+            if len(t.response_logprobs) == len(t.response_token_ids):
+                old[i, start:end] = torch.tensor(t.response_logprobs, dtype=torch.float32)
             advantage[i, start:end] = float(t.advantage or 0.0)
             if t.output_constraint is not None:
                 allowed = self._grammar.allowed(t.output_constraint, t.response_token_ids)
@@ -169,23 +181,95 @@ class LoRATrainer:
 
     # ------------------------------------------------------------------ the update
 
-    def _check(self, transitions: Sequence[Transition]) -> None:
+    def _check(
+        self, transitions: Sequence[Transition], advantage: bool = True, logprobs: bool = True
+    ) -> None:
         if not transitions:
             raise InvalidInput("a training step needs at least one transition")
         for t in transitions:
-            if t.advantage is None:
+            if advantage and t.advantage is None:
                 raise InvalidInput(
                     f"transition {t.rollout_id}#{t.step} has no advantage: assign credit first"
                 )
-            if len(t.response_logprobs) != len(t.response_token_ids) or not t.response_token_ids:
+            if not t.response_token_ids:
+                raise InvalidInput(f"transition {t.rollout_id}#{t.step} has no response token")
+            if logprobs and len(t.response_logprobs) != len(t.response_token_ids):
                 raise InvalidInput(
                     f"transition {t.rollout_id}#{t.step} needs one behaviour logprob per response "
                     f"token ({len(t.response_logprobs)} for {len(t.response_token_ids)})"
                 )
 
-    def step(self, transitions: Sequence[Transition]) -> dict[str, float]:
-        """One optimizer update over the whole batch; returns `train/*` metrics."""
-        self._check(transitions)
+    @staticmethod
+    def _by_length(transitions: Sequence[Transition]) -> list[Transition]:
+        # Similar lengths together: less padding. The order does not change the summed gradient.
+        return sorted(
+            transitions, key=lambda t: len(t.prompt_token_ids) + len(t.response_token_ids)
+        )
+
+    @torch.no_grad()
+    def _current(self, batch: list[Transition]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """A micro-batch's tensors and the current policy's logprobs of its response tokens, in
+        eval mode (no dropout) and without gradient."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            x, masked = self._tensors(batch)
+            logp, _ = self._logprobs(x, masked)
+        finally:
+            self.model.train(training)
+        return x, logp
+
+    def response_logprobs(self, transitions: Sequence[Transition]) -> list[list[float]]:
+        """The current policy's logprob of each response token, per transition in input order
+        (tempered and constrained as each call was sampled); no gradient, no update."""
+        self._check(transitions, advantage=False, logprobs=False)
+        found: dict[int, list[float]] = {}
+        for batch in self._micro_batches(self._by_length(transitions)):
+            x, logp = self._current(batch)
+            for row, t in enumerate(batch):
+                found[id(t)] = logp[row][x["mask"][row].bool()].tolist()
+        return [found[id(t)] for t in transitions]
+
+    def behaviour_gap(self, transitions: Sequence[Transition]) -> dict[str, float]:
+        """How far the current policy is from the one that sampled the transitions, over their
+        response tokens (no gradient, no update): `offline/behaviour_kl`, the mean per-token k3
+        estimate of KL(behaviour || current); `offline/outside_clip`, the fraction of tokens
+        whose importance ratio lies outside [1 - clip_low, 1 + clip_high], where PPO-clip stops
+        learning from them; `offline/tokens`, how many tokens that is measured on."""
+        self._check(transitions, advantage=False)
+        c = self.config
+        kl = outside = tokens = 0.0
+        for batch in self._micro_batches(self._by_length(transitions)):
+            x, logp = self._current(batch)
+            mask = x["mask"].float()
+            log_ratio = (logp - x["old"]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+            ratio = torch.exp(log_ratio)
+            beyond = (ratio < 1.0 - c.clip_low) | (ratio > 1.0 + c.clip_high)
+            kl += float((k3(log_ratio) * mask).sum())
+            outside += float((beyond.float() * mask).sum())
+            tokens += float(mask.sum())
+        return {
+            "offline/behaviour_kl": kl / tokens,
+            "offline/outside_clip": outside / tokens,
+            "offline/tokens": tokens,
+        }
+
+    def step(
+        self, transitions: Sequence[Transition], objective: Objective = "policy_gradient"
+    ) -> dict[str, float]:
+        """One optimizer update over the whole batch; returns `train/*` metrics.
+
+        policy_gradient: PPO-clip on each transition's advantage, importance-weighted by the
+        ratio to its recorded behaviour logprobs. likelihood: the negative mean log-likelihood of
+        the response tokens (advantages and behaviour logprobs are not used), for reward-filtered
+        fine-tuning, where only good responses are passed. Both aggregate, micro-batch and
+        penalise KL to the base model alike; likelihood reports clip_frac 0."""
+        if objective not in ("policy_gradient", "likelihood"):
+            raise InvalidInput(
+                f"unknown objective {objective!r}; use policy_gradient or likelihood"
+            )
+        likelihood = objective == "likelihood"
+        self._check(transitions, advantage=not likelihood, logprobs=not likelihood)
         started = time.perf_counter()
         c = self.config
         per_token = c.aggregation == "token-mean"
@@ -196,28 +280,29 @@ class LoRATrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         tokens = 0
-        # Similar lengths together: less padding. The order does not change the summed gradient.
-        by_length = sorted(
-            transitions, key=lambda t: len(t.prompt_token_ids) + len(t.response_token_ids)
-        )
-        for batch in self._micro_batches(by_length):
+        for batch in self._micro_batches(self._by_length(transitions)):
             x, masked = self._tensors(batch)
             logp, logits = self._logprobs(x, masked)
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
                     ref, _ = self._logprobs(x, masked)
-            out = policy_loss(
-                logp,
-                x["old"],
-                x["adv"],
-                x["mask"],
-                clip_low=c.clip_low,
-                clip_high=c.clip_high,
-                aggregation=c.aggregation,
-                ref_logprobs=ref,
-                kl_coef=c.kl_coef,
-            )
+            if likelihood:
+                out = likelihood_loss(
+                    logp, x["mask"], aggregation=c.aggregation, ref_logprobs=ref, kl_coef=c.kl_coef
+                )
+            else:
+                out = policy_loss(
+                    logp,
+                    x["old"],
+                    x["adv"],
+                    x["mask"],
+                    clip_low=c.clip_low,
+                    clip_high=c.clip_high,
+                    aggregation=c.aggregation,
+                    ref_logprobs=ref,
+                    kl_coef=c.kl_coef,
+                )
             batch_tokens = int(x["mask"].sum())
             weight = (batch_tokens if per_token else len(batch)) / total
             (out.loss * weight).backward()

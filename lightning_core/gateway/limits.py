@@ -13,6 +13,14 @@ is bounded by a `GatewayConfig` setting and refused before the backend sees it:
   `x-should-retry: false`: the budget does not refill, so the SDKs raise RateLimitError at
   once instead of retrying. A retried rollout is a new attempt with a budget of its own.
 
+Production episodes (calls on the plain routes kept under an episode id) count per episode as
+calls do per attempt, with one exception: `max_calls_per_rollout` does not apply to them. An
+episode is a user's session, which may rightly run to thousands of calls over days; the gateway
+cannot tell it from a loop, and a 429 that is never retried would break that session for the
+user, where in training it ends one rollout of many. The counters below also forget an idle
+episode (the LRU), so a cap would be arbitrary for the long ones. The concurrency limit does
+apply: it protects the server's capacity, and the clients retry it by themselves.
+
 The per-attempt counters live in an LRU of at most `TRACKED_ATTEMPTS` entries: the gateway never
 learns when an attempt ends, so the least recently used idle ones are dropped (a finished
 attempt makes no more calls, so it ages out). An attempt idle for that many other attempts'
@@ -97,8 +105,11 @@ class CallLimits:
             "server's max_prompt_tokens (LIGHTNING_MAX_PROMPT_TOKENS)"
         )
 
-    def admit(self, rollout_id: str | None, attempt_id: str | None) -> CallSlot:
-        """Count one call of the attempt (none outside a rollout); 429 past its limits."""
+    def admit(
+        self, rollout_id: str | None, attempt_id: str | None, capped: bool = True
+    ) -> CallSlot:
+        """Count one call of the attempt (none outside a rollout); 429 past its limits.
+        `capped`: whether max_calls applies (not to production episodes, see above)."""
         if rollout_id is None:
             return CallSlot(None)
         key = (rollout_id, attempt_id or "")
@@ -108,7 +119,7 @@ class CallLimits:
             self._evict()
         else:
             self._attempts.move_to_end(key)
-        if calls.started >= self.max_calls:
+        if capped and calls.started >= self.max_calls:
             raise RateLimited(
                 f"attempt {key[1]} of rollout {rollout_id} has made its {self.max_calls} LLM "
                 "calls (max_calls_per_rollout): an agent that loops without end is stopped "

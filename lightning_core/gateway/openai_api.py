@@ -241,7 +241,7 @@ class OpenAIAPI:
             params.max_new_tokens,
             prompts=len(requests),
         )
-        slot = gateway.admit(ctx)
+        slot = await gateway.admit(ctx, requests[0])
         if req.stream:
             return held(slot, self._completion_stream(req, ctx, requests))
         start = time.time()

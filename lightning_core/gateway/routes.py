@@ -5,6 +5,11 @@ inside a rollout gets `base_url = <server>/rollouts/<rollout_id>/attempts/<attem
 Anthropic's client, the same URL without `/v1`: it adds that itself) and needs nothing else:
 every call it makes there is recorded on that attempt. It may name itself (for multi-agent
 systems) with the `X-Lightning-Agent` header or `metadata.agent_name`.
+
+A production agent calls the plain routes and names its episode (a session or conversation) with
+the `X-Lightning-Episode` header or `metadata.episode_id`: the call is recorded on that episode
+(see `GatewayConfig.capture`), and the answer, streamed or not, carries the header back. Under
+a rollout prefix an episode id plays no part: the prefix says where the call belongs.
 """
 
 from __future__ import annotations
@@ -30,16 +35,22 @@ _STREAMED: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _context(request: Request, metadata: dict[str, Any] | None) -> CallContext:
+def _context(gateway: Gateway, request: Request, metadata: dict[str, Any] | None) -> CallContext:
     params = request.path_params
-    agent = request.headers.get(semconv.AGENT_HEADER) or (metadata or {}).get(
-        semconv.AGENT_METADATA_KEY
-    )
+    metadata = metadata or {}
+    agent = request.headers.get(semconv.AGENT_HEADER) or metadata.get(semconv.AGENT_METADATA_KEY)
+    episode = None
+    if "rollout_id" not in params:
+        given = request.headers.get(semconv.EPISODE_HEADER) or metadata.get(
+            semconv.EPISODE_METADATA_KEY
+        )
+        episode = gateway.episode_for(given)
     return CallContext(
         rollout_id=params.get("rollout_id"),
         attempt_id=params.get("attempt_id"),
         agent_name=agent,
         traceparent=request.headers.get("traceparent"),
+        episode_id=episode,
     )
 
 
@@ -51,13 +62,16 @@ def _attempt_path(
     them from `request.path_params`, and a schema without them cannot be called from it."""
 
 
-def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
+def _respond(result: dict[str, Any] | AsyncIterator[bytes], ctx: CallContext) -> Response:
+    # The episode the call was kept in, so that a client can send feedback on it (and learn
+    # the id the gateway gave it, when it captures every call).
+    kept = {semconv.EPISODE_HEADER: ctx.episode_id} if ctx.episode_id is not None else {}
     if isinstance(result, dict):
-        return Response(orjson.dumps(result), media_type="application/json")
+        return Response(orjson.dumps(result), media_type="application/json", headers=kept)
     return StreamingResponse(
         result,
         media_type="text/event-stream",
-        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no", **kept},
     )
 
 
@@ -68,20 +82,24 @@ def gateway_router(gateway: Gateway, route_class: type | None = None) -> APIRout
     messages_api = MessagesAPI(gateway)
 
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return _respond(await openai_api.chat(body, _context(request, body.metadata)))
+        ctx = _context(gateway, request, body.metadata)
+        return _respond(await openai_api.chat(body, ctx), ctx)
 
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return _respond(await openai_api.completions(body, _context(request, body.metadata)))
+        ctx = _context(gateway, request, body.metadata)
+        return _respond(await openai_api.completions(body, ctx), ctx)
 
     async def responses(request: Request, body: ResponsesRequest) -> Response:
-        return _respond(await responses_api.create(body, _context(request, body.metadata)))
+        ctx = _context(gateway, request, body.metadata)
+        return _respond(await responses_api.create(body, ctx), ctx)
 
     async def messages(request: Request, body: MessagesRequest) -> Response:
-        return _respond(await messages_api.create(body, _context(request, body.metadata)))
+        ctx = _context(gateway, request, body.metadata)
+        return _respond(await messages_api.create(body, ctx), ctx)
 
     async def models(request: Request) -> Response:
         if "rollout_id" in request.path_params:
-            gateway.check_rollout(_context(request, None))
+            gateway.check_rollout(_context(gateway, request, None))
         return Response(orjson.dumps(gateway.models()), media_type="application/json")
 
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str, str]] = [

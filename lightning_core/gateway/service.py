@@ -6,8 +6,11 @@ chat messages and tools (`ChatCall`), render and tokenize them, run the backend,
 and record one span per call. So every API gets the same exact token ids on its span, streamed
 or not. Text completions (`/v1/completions`) take token ids or text directly (openai_api.py).
 
-Each call inside a rollout attempt becomes one span in the store (see spans.py); calls outside a
-rollout (evaluation, plain serving) are answered the same way and recorded nowhere. The `model`
+Each call inside a rollout attempt becomes one span in the store (see spans.py). A call on the
+plain routes that names a production episode (X-Lightning-Episode, or metadata.episode_id) is
+recorded the same way on that episode's attempt, which the store opens on its first call
+(`GatewayConfig.capture` says which plain calls are kept); other calls outside a rollout
+(evaluation, plain serving) are answered the same way and recorded nowhere. The `model`
 of a request names the policy version: the base model, a loaded LoRA adapter, or a policy
 version registered in the store, whose adapter is then loaded on first use. A version with one
 policy per agent (`agent_policies`) serves each named agent's calls with that agent's own version,
@@ -23,7 +26,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -41,6 +44,7 @@ from lightning_core.gateway.limits import CallLimits, CallSlot
 from lightning_core.gateway.protocol import model_object
 from lightning_core.gateway.spans import LLMCall, llm_call_span
 from lightning_core.store.base import SpanRecorder
+from lightning_core.types import episode_rollout_id
 
 
 class GatewayConfig(BaseModel):
@@ -84,18 +88,38 @@ class GatewayConfig(BaseModel):
         1024,
         ge=1,
         description="LLM calls one rollout attempt may make in all; past it a 429 that clients "
-        "do not retry (x-should-retry: false) stops an agent that loops without end.",
+        "do not retry (x-should-retry: false) stops an agent that loops without end. Not "
+        "applied to production episodes (gateway/limits.py says why).",
+    )
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Request model names served as another model or policy version, e.g. "
+        '{"champion": "lightning-calc-v3"}: clients keep one name while what it serves changes; '
+        "spans record the version that answered.",
+    )
+    capture: Literal["episodes", "all", "off"] = Field(
+        "episodes",
+        description="Which calls on the plain /v1 routes are kept in the store as production "
+        "episodes: episodes (calls naming one with X-Lightning-Episode or metadata.episode_id), "
+        "all (every call; one without an id is an episode of its own, its new id in the "
+        "answer's X-Lightning-Episode header) or off (none). Calls under a rollout prefix are "
+        "always recorded.",
     )
 
 
 @dataclass
 class CallContext:
-    """Where a call comes from: its rollout attempt (if any), agent name and trace context."""
+    """Where a call comes from: its rollout attempt (if any), agent name and trace context.
+
+    `episode_id`: the production episode the call is kept in (plain routes only); once the
+    episode is open (`Gateway.admit`), `rollout_id` and `attempt_id` are its own.
+    """
 
     rollout_id: str | None = None
     attempt_id: str | None = None
     agent_name: str | None = None
     traceparent: str | None = None
+    episode_id: str | None = None
 
 
 @dataclass
@@ -241,7 +265,9 @@ class Gateway:
     async def adapter_for(self, model: str, agent: str | None = None) -> str | None:
         """The adapter serving `model` (None: the base model) to a call of `agent`, loading a
         registered one. When `model` has a policy of `agent`'s own, that policy's adapter; its
-        own agent map is not followed (one level), so maps cannot form cycles."""
+        own agent map is not followed (one level), so maps cannot form cycles. An alias
+        (`model_aliases`) is looked up first, once."""
+        model = self.config.model_aliases.get(model, model)
         if model == self.backend.base_model:
             return None
         own = self._agent_policies.get(model, {}).get(agent) if agent is not None else None
@@ -271,6 +297,18 @@ class Gateway:
             if model not in self.backend.adapters():
                 await self.backend.load_adapter(model, version.adapter_path)
         return model
+
+    def episode_for(self, given: Any) -> str | None:
+        """The episode a plain call is kept in: `given` (the header's or metadata's id, checked:
+        InvalidInput for a bad one, whatever the capture), a new id when every call is
+        captured, or None when the call is not kept (capture off, or no store to keep it in)."""
+        if given is not None:
+            episode_rollout_id(given)
+        if self.store is None or self.config.capture == "off":
+            return None
+        if given is None and self.config.capture == "all":
+            return uuid.uuid4().hex
+        return given
 
     def check_rollout(self, ctx: CallContext) -> None:
         if ctx.rollout_id is None:
@@ -343,10 +381,21 @@ class Gateway:
         self.limits.check_size(len(request.prompt_token_ids), call.n, call.params.max_new_tokens)
         return request
 
-    def admit(self, ctx: CallContext) -> CallSlot:
-        """Count a call on its attempt (429 past the attempt's limits); release the slot when
-        the call has finished."""
-        return self.limits.admit(ctx.rollout_id, ctx.attempt_id)
+    async def admit(self, ctx: CallContext, request: GenerationRequest) -> CallSlot:
+        """Open the call's production episode, if it has one, so that it is recorded there;
+        then count the call on its attempt (429 past the attempt's limits). Release the slot
+        when the call has finished. Called once the request is known to be servable, so a
+        refused call leaves no empty episode behind."""
+        if ctx.episode_id is not None and ctx.rollout_id is None and self.store is not None:
+            attempt = await self.store.open_episode(
+                ctx.episode_id,
+                agent_name=ctx.agent_name,
+                policy_version=request.adapter or self.backend.base_model,
+            )
+            ctx.rollout_id, ctx.attempt_id = attempt.rollout_id, attempt.attempt_id
+        # An episode's calls are not capped in number (limits.py): a user's long session is
+        # not a runaway loop, and refusing it would break that session in production.
+        return self.limits.admit(ctx.rollout_id, ctx.attempt_id, capped=ctx.episode_id is None)
 
     def _chat_choice(
         self, index: int, generated: Choice, tools: list[dict[str, Any]] | None
@@ -382,7 +431,7 @@ class Gateway:
     ) -> ChatResult:
         """Answer a chat call whole, and record it."""
         request = await self._prepare(call, ctx)
-        slot = self.admit(ctx)
+        slot = await self.admit(ctx, request)
         start = time.time()
         try:
             generated = await self.backend.generate(request)
@@ -410,7 +459,7 @@ class Gateway:
         """
         request = await self._prepare(call, ctx)
         singles = self.per_choice(request, call.n)
-        slot = self.admit(ctx)
+        slot = await self.admit(ctx, request)
         response_id, start = new_id(id_prefix), time.time()
         return (
             response_id,

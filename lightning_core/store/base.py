@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from lightning_core.types import (
     Attempt,
     Claim,
+    Feedback,
+    FeedbackIn,
+    FeedbackReceipt,
     PolicyVersion,
     Rollout,
     RolloutMode,
@@ -35,6 +38,16 @@ class SpanRecorder(Protocol):
         ...
 
     async def get_policy_version(self, name: str) -> PolicyVersion: ...
+
+    async def open_episode(
+        self,
+        episode_id: str,
+        agent_name: str | None = None,
+        policy_version: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Attempt:
+        """The attempt recording production episode `episode_id`, created on first use."""
+        ...
 
 
 # "latest" selects the newest attempt of each rollout, which is what a trainer wants after retries.
@@ -121,5 +134,40 @@ class LightningStore(Protocol):
     async def get_policy_version(self, name: str) -> PolicyVersion: ...
 
     async def list_policy_versions(self) -> list[PolicyVersion]: ...
+
+    async def open_episode(
+        self,
+        episode_id: str,
+        agent_name: str | None = None,
+        policy_version: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Attempt:
+        """The attempt of production episode `episode_id` (rollout `ep-<id>`, mode production).
+
+        Idempotent: the first call creates the rollout (running) and its one attempt (worker
+        "production"), later calls return that attempt. No watchdog ever ends it.
+        """
+        ...
+
+    async def add_feedback(self, episode_id: str, feedback: FeedbackIn) -> FeedbackReceipt:
+        """Record a reward for an episode (NotFound if unknown). Per (episode, source): the
+        same value and comment again is "unchanged" (same seq, no new row), another value
+        "replaced" (a new row, a new seq; the newest counts), the first "recorded"."""
+        ...
+
+    async def query_feedback(
+        self,
+        after_seq: int = 0,
+        through_seq: int | None = None,
+        episode_ids: Sequence[str] | None = None,
+    ) -> list[Feedback]:
+        """Newest row per (episode, source) among rows with seq <= through_seq (None: the
+        watermark), for the episodes with a row in (after_seq, through_seq], or, with
+        `episode_ids`, for those episodes. Ordered by episode_id, source."""
+        ...
+
+    async def feedback_watermark(self) -> int:
+        """The highest feedback seq, 0 when none."""
+        ...
 
     async def close(self) -> None: ...

@@ -12,8 +12,9 @@ A store that cannot be reached (a policy server being restarted) is waited for, 
 `retry_s`, rather than failed at once. A call that never reached the server (connection
 refused) is always sent again; one whose answer was lost (the connection dropped mid-request)
 is sent again only where a repeat cannot do a thing twice: reads, waits, heartbeats, spans
-(stored once per span id), complete/fail/cancel (a repeat is refused as IllegalTransition) and
-enqueues (the client names the rollouts, and the store answers a known id with its rollout).
+(stored once per span id), complete/fail/cancel (a repeat is refused as IllegalTransition),
+enqueues (the client names the rollouts, and the store answers a known id with its rollout),
+episodes (opened once per id) and feedback (the same value again is recorded once).
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ import logging
 import os
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from lightning_core.errors import ERRORS_BY_NAME, LightningError, StoreUnavailable
+from lightning_core.errors import LightningError, StoreUnavailable, error_from_answer
 from lightning_core.store.base import AttemptSelector
 from lightning_core.types import (
     Attempt,
     Claim,
+    Feedback,
+    FeedbackIn,
+    FeedbackReceipt,
     PolicyVersion,
     Rollout,
     RolloutMode,
@@ -41,6 +46,7 @@ from lightning_core.types import (
     RolloutStatus,
     Span,
     Transition,
+    episode_rollout_id,
     new_id,
 )
 
@@ -209,7 +215,7 @@ class HttpStoreClient:
                 tries += 1
                 await asyncio.sleep(delay)
         if status >= 400:
-            raise _error_from(status, payload)
+            raise error_from_answer(status, payload)
         return orjson.loads(payload) if payload else None
 
     async def _send_spans(self, spans: list[dict[str, Any]]) -> int:
@@ -346,6 +352,48 @@ class HttpStoreClient:
         data = await self._call("GET", "/store/policy-versions")
         return [PolicyVersion.model_validate(v) for v in data]
 
+    # ------------------------------------------------------------------ production episodes
+
+    async def open_episode(
+        self,
+        episode_id: str,
+        agent_name: str | None = None,
+        policy_version: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Attempt:
+        body = {"agent_name": agent_name, "policy_version": policy_version}
+        body["metadata"] = metadata or {}
+        # Repeatable: a repeat finds the episode the first one opened.
+        data = await self._call("POST", f"/episodes/{_segment(episode_id)}", body)
+        return Attempt.model_validate(data)
+
+    async def add_feedback(self, episode_id: str, feedback: FeedbackIn) -> FeedbackReceipt:
+        # Repeatable: the same value again is "unchanged", not a second row. (A repeat after a
+        # lost answer therefore reads "unchanged" where the lost answer said "recorded".)
+        data = await self._call(
+            "POST",
+            f"/episodes/{_segment(episode_id)}/feedback",
+            feedback.model_dump(mode="json"),
+        )
+        return FeedbackReceipt.model_validate(data)
+
+    async def query_feedback(
+        self,
+        after_seq: int = 0,
+        through_seq: int | None = None,
+        episode_ids: Sequence[str] | None = None,
+    ) -> list[Feedback]:
+        body = {
+            "after_seq": after_seq,
+            "through_seq": through_seq,
+            "episode_ids": list(episode_ids) if episode_ids is not None else None,
+        }
+        data = await self._call("POST", "/feedback/query", body)
+        return [Feedback.model_validate(f) for f in data]
+
+    async def feedback_watermark(self) -> int:
+        return (await self._call("GET", "/feedback/watermark"))["seq"]
+
     async def check(self) -> None:
         """Reach the store once, now: StoreUnavailable (or Unauthorized, for a refused key) at
         once rather than after retry_s. For a command's first call, where an unreachable
@@ -370,13 +418,8 @@ class HttpStoreClient:
         await self.close()
 
 
-def _error_from(status: int, payload: bytes) -> LightningError:
-    try:
-        error = orjson.loads(payload)["error"]
-        cls = ERRORS_BY_NAME.get(error["type"], LightningError)
-        return cls(error["message"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        text = payload[:500].decode(errors="replace")
-        if status >= 500:
-            return StoreUnavailable(f"store answered {status}: {text}")
-        return LightningError(f"store answered {status}: {text}")
+def _segment(episode_id: str) -> str:
+    """An episode id as a path segment, checked here (InvalidInput) as the server would: a '/'
+    would not reach the episode's route at all, only a 404 elsewhere."""
+    episode_rollout_id(episode_id)
+    return quote(episode_id, safe="")

@@ -11,6 +11,9 @@ How it stays fast and durable at once:
 - Reads of spans and transitions first wait for the batch in flight, so they see every write
   that was acknowledged before them.
 On start the live state is rebuilt from the latest row of each rollout and attempt in the logs.
+
+Parts of the class live beside it: policy versions (policies.py), production episodes and their
+feedback (episodes.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import orjson
 
 from lightning_core import semconv
 from lightning_core.errors import (
-    Conflict,
     IllegalTransition,
     InvalidInput,
     NotFound,
@@ -35,12 +37,13 @@ from lightning_core.errors import (
 from lightning_core.store import schema
 from lightning_core.store.base import AttemptSelector
 from lightning_core.store.config import StoreConfig
+from lightning_core.store.episodes import EpisodeStore
+from lightning_core.store.policies import PolicyVersionStore
 from lightning_core.store.worker import DatabaseWorker
 from lightning_core.types import (
     Attempt,
     AttemptStatus,
     Claim,
-    PolicyVersion,
     Rollout,
     RolloutMode,
     RolloutRequest,
@@ -72,7 +75,7 @@ class _Signal:
             await asyncio.wait_for(self._event.wait(), timeout)
 
 
-class DuckDBStore:
+class DuckDBStore(PolicyVersionStore, EpisodeStore):
     """LightningStore backed by a DuckDB file (or ':memory:' for tests)."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides: Any) -> None:
@@ -84,7 +87,6 @@ class DuckDBStore:
         self._attempts: dict[str, Attempt] = {}
         self._attempts_of: dict[str, list[str]] = defaultdict(list)
         self._queue: deque[str] = deque()
-        self._policies: dict[str, PolicyVersion] = {}
         # Per running attempt: the watchdog's work list, the span ids seen (an exporter's retry is
         # stored once) and the last primary reward (the default final reward).
         self._running: dict[str, Attempt] = {}
@@ -119,15 +121,15 @@ class DuckDBStore:
         restarted_at = now()
         for row in state["attempts"]:
             attempt = Attempt.model_validate(row)
-            if attempt.status is AttemptStatus.running:
+            production = self._rollouts[attempt.rollout_id].mode is RolloutMode.production
+            if attempt.status is AttemptStatus.running and not production:
                 # Heartbeats are not persisted; a worker gets a full grace period after a restart.
                 attempt.last_heartbeat_at = restarted_at
                 self._running[attempt.attempt_id] = attempt
             self._attempts[attempt.attempt_id] = attempt
             self._attempts_of[attempt.rollout_id].append(attempt.attempt_id)
-        for row in state["policy_versions"]:
-            version = PolicyVersion.model_validate(row)
-            self._policies[version.name] = version
+        self._load_policies(state)
+        self._load_episodes(state)
 
     # ------------------------------------------------------------------ durability
 
@@ -143,9 +145,9 @@ class DuckDBStore:
         self._log_seq += 1
         self._log(schema.ATTEMPT_LOG, schema.attempt_row(self._log_seq, attempt))
 
-    async def _sync(self) -> None:
-        """Return once every change made so far is committed to disk."""
-        target = self._written
+    async def _sync(self, upto: int | None = None) -> None:
+        """Return once every change made so far (or the first `upto` changes) is on disk."""
+        target = self._written if upto is None else upto
         while self._durable < target:
             if self._broken is not None:
                 raise StoreUnavailable(f"the store's database failed: {self._broken}")
@@ -217,6 +219,8 @@ class DuckDBStore:
         """Finish a running attempt unsuccessfully and requeue or fail its rollout."""
         t = now()
         self._finish_attempt(attempt, status, t, error)
+        # A production episode is never requeued: no runner could replay a user's session.
+        retry = retry and rollout.mode is not RolloutMode.production
         if retry and rollout.attempt_count < rollout.max_attempts:
             rollout.status.check_move(RolloutStatus.requeuing, f"rollout {rollout.rollout_id}")
             rollout.status = RolloutStatus.requeuing
@@ -229,7 +233,7 @@ class DuckDBStore:
         self._log_rollout(rollout)
 
     async def _watch(self) -> None:
-        """Give up on attempts that ran too long or went silent."""
+        """Give up on attempts that ran too long or went silent (not episodes: episodes.py)."""
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.watchdog_interval_s)
@@ -472,7 +476,9 @@ class DuckDBStore:
         t = now()
         for span in spans:
             attempt = self._attempts[span.attempt_id]
-            running = attempt.status is AttemptStatus.running
+            # Not an episode's attempt, which never ends: a set of its span ids would grow as long
+            # as the store runs (and the gateway, which records episodes, never repeats an id).
+            running = attempt.attempt_id in self._running
             if running:
                 # Spans are liveness too, and an exporter's retry is stored once. Spans that
                 # arrive after their attempt ended (a slow exporter) are kept as they come.
@@ -555,31 +561,6 @@ class DuckDBStore:
         await self._sync()
         rows = orjson.loads(await self._worker.query(sql + schema.TRANSITIONS_READ_ORDER, params))
         return [Transition.model_validate(row) for row in rows]
-
-    # ------------------------------------------------------------------ policy versions
-
-    async def add_policy_version(self, version: PolicyVersion) -> PolicyVersion:
-        self._start_background()
-        if version.name in self._policies:
-            raise Conflict(f"policy version {version.name!r} exists already; pick a new name")
-        self._policies[version.name] = version.model_copy(deep=True)
-        self._log(schema.POLICY_VERSIONS, schema.policy_version_row(version))
-        await self._sync()
-        return version
-
-    async def get_policy_version(self, name: str) -> PolicyVersion:
-        try:
-            version = self._policies[name]
-        except KeyError:
-            raise NotFound(f"no policy version {name!r}") from None
-        await self._sync()
-        return version.model_copy(deep=True)
-
-    async def list_policy_versions(self) -> list[PolicyVersion]:
-        await self._sync()
-        return sorted(
-            (v.model_copy(deep=True) for v in self._policies.values()), key=lambda v: v.created_at
-        )
 
     # ------------------------------------------------------------------ shutdown
 

@@ -2,7 +2,8 @@
 
 Rollouts and attempts are append-only logs (one row per change, `log_seq` orders them) with views
 that show the latest row of each: appends are the cheapest durable write DuckDB has, and the log
-doubles as an audit trail of every status change.
+doubles as an audit trail of every status change. Feedback on production episodes is such a log
+too: one row per recorded change, `seq` orders them, the newest per (episode, source) counts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from lightning_core.types import Attempt, PolicyVersion, Rollout, Span, Transition
+from lightning_core.types import Attempt, Feedback, PolicyVersion, Rollout, Span, Transition
 
 _ARROW = {
     "BIGINT": pa.int64(),
@@ -148,7 +149,32 @@ POLICY_VERSIONS = Table(
     ),
 )
 
-TABLES = (ROLLOUT_LOG, ATTEMPT_LOG, SPANS, TRANSITIONS, POLICY_VERSIONS)
+# Append-only: a new value of an (episode, source) is a new row with the next `seq`, never an
+# update, so a training run that read up to seq S finds exactly what came after it, late
+# feedback on old episodes included, by reading seq > S.
+FEEDBACK = Table(
+    "feedback",
+    (
+        ("seq", "BIGINT"),
+        ("episode_id", "VARCHAR"),
+        ("source", "VARCHAR"),
+        ("value", "DOUBLE"),
+        ("time", "DOUBLE"),
+        ("recorded_at", "DOUBLE"),
+        ("comment", "VARCHAR"),
+        ("metadata", "JSON"),
+    ),
+)
+
+# The newest row per (episode, source) among rows up to a seq (the first parameter).
+LATEST_FEEDBACK = (
+    "SELECT * FROM feedback WHERE seq <= ? "
+    "QUALIFY row_number() OVER (PARTITION BY episode_id, source ORDER BY seq DESC) = 1"
+)
+
+# Tables are created with CREATE TABLE IF NOT EXISTS, so a table added since a release (feedback)
+# is simply created in a database made before it.
+TABLES = (ROLLOUT_LOG, ATTEMPT_LOG, SPANS, TRANSITIONS, POLICY_VERSIONS, FEEDBACK)
 # Columns added since a table was first released, for databases created before them: added
 # last, so that positional inserts line up.
 MIGRATIONS = (
@@ -277,6 +303,19 @@ def policy_version_row(p: PolicyVersion) -> tuple[Any, ...]:
         p.created_at,
         _json(p.metadata),
         _json(p.agent_policies),
+    )
+
+
+def feedback_row(f: Feedback) -> tuple[Any, ...]:
+    return (
+        f.seq,
+        f.episode_id,
+        f.source,
+        f.value,
+        f.time,
+        f.recorded_at,
+        f.comment,
+        _json(f.metadata),
     )
 
 

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
@@ -33,6 +33,9 @@ from lightning_core.store.schema import check_json_depth
 from lightning_core.types import (
     Attempt,
     Claim,
+    Feedback,
+    FeedbackIn,
+    FeedbackReceipt,
     FiniteFloat,
     PolicyVersion,
     Rollout,
@@ -105,6 +108,34 @@ class TransitionQuery(BaseModel):
 
 class Count(BaseModel):
     count: int
+
+
+class EpisodeBody(BaseModel):
+    agent_name: str | None = Field(None, description="The agent of the first call.")
+    policy_version: str | None = Field(None, description="The policy that served it.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form labels.")
+
+
+class Episode(BaseModel):
+    rollout: Rollout
+    feedback: list[Feedback]
+
+
+class Watermark(BaseModel):
+    seq: int
+
+
+# Seqs are DuckDB BIGINTs: a bigger number in a query is refused here, not by the database.
+MAX_SEQ = 2**63 - 1
+Seq = Annotated[int, Field(ge=0, le=MAX_SEQ)]
+
+
+class FeedbackQuery(BaseModel):
+    after_seq: Seq = Field(0, description="Read feedback recorded after this seq.")
+    through_seq: Seq | None = Field(None, description="Up to this seq; None: the watermark.")
+    episode_ids: QueryIds | None = Field(
+        None, description="These episodes' feedback instead of a window's (after_seq aside)."
+    )
 
 
 class _OrjsonRequest(Request):
@@ -418,6 +449,58 @@ def create_store_app(
     @app.get("/store/policy-versions/{name}", response_model=PolicyVersion)
     async def get_policy_version(name: str) -> Response:
         return _json((await store.get_policy_version(name)).model_dump(mode="json"))
+
+    # Production episodes and their feedback: the paths a production app calls, outside /store.
+
+    @app.post("/episodes/{episode_id}", response_model=Attempt, summary="Open an episode")
+    async def open_episode(episode_id: str, body: EpisodeBody) -> Response:
+        attempt = await store.open_episode(
+            episode_id, body.agent_name, body.policy_version, body.metadata
+        )
+        return _json(attempt.model_dump(mode="json"))
+
+    @app.get("/episodes/{episode_id}", response_model=Episode, summary="An episode and feedback")
+    async def get_episode(episode_id: str) -> Response:
+        rollout = await store.get_episode(episode_id)
+        feedback = await store.query_feedback(episode_ids=[episode_id])
+        return _json(
+            {
+                "rollout": rollout.model_dump(mode="json"),
+                "feedback": [f.model_dump(mode="json") for f in feedback],
+            }
+        )
+
+    @app.post(
+        "/episodes/{episode_id}/feedback",
+        response_model=FeedbackReceipt,
+        status_code=201,
+        responses={200: {"model": FeedbackReceipt, "description": "unchanged or replaced"}},
+        summary="Give an episode a reward (201 recorded; 200 unchanged or replaced)",
+    )
+    async def add_feedback(episode_id: str, body: FeedbackIn) -> Response:
+        receipt = await store.add_feedback(episode_id, body)
+        response = _json(receipt.model_dump(mode="json"))
+        response.status_code = 201 if receipt.status == "recorded" else 200
+        return response
+
+    @app.get("/feedback", response_model=list[Feedback], summary="Feedback that counts, by window")
+    async def feedback_window(
+        after_seq: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
+        through_seq: Annotated[int | None, Query(ge=0, le=MAX_SEQ)] = None,
+    ) -> Response:
+        rows = await store.query_feedback(after_seq, through_seq)
+        return _json([f.model_dump(mode="json") for f in rows])
+
+    # The same with a body, where a list of episode ids fits (a query string of thousands
+    # does not fit in a request line).
+    @app.post("/feedback/query", response_model=list[Feedback], summary="Feedback that counts")
+    async def query_feedback(body: FeedbackQuery) -> Response:
+        rows = await store.query_feedback(body.after_seq, body.through_seq, body.episode_ids)
+        return _json([f.model_dump(mode="json") for f in rows])
+
+    @app.get("/feedback/watermark", response_model=Watermark, summary="Highest feedback seq")
+    async def feedback_watermark() -> Response:
+        return _json({"seq": await store.feedback_watermark()})
 
     @app.post(
         "/v1/traces",

@@ -186,8 +186,8 @@ def _connect(db: str, threads: int, open_timeout_s: float):
 def _load(con) -> dict[str, Any]:
     from lightning_core.store import schema
 
-    def rows(sql: str) -> list[dict[str, Any]]:
-        cursor = con.execute(sql)
+    def rows(sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        cursor = con.execute(sql, params)
         columns = [d[0] for d in cursor.description]
         return [schema.row_dict(columns, row) for row in cursor.fetchall()]
 
@@ -195,12 +195,16 @@ def _load(con) -> dict[str, Any]:
         "SELECT greatest((SELECT max(log_seq) FROM rollout_log), "
         "(SELECT max(log_seq) FROM attempt_log))"
     ).fetchone()[0]
+    feedback_seq = con.execute("SELECT max(seq) FROM feedback").fetchone()[0] or 0
     return {
         "log_seq": log_seq or 0,
         "span_seq": con.execute("SELECT max(sequence_id) FROM spans").fetchone()[0] or 0,
         "rollouts": rows("SELECT * FROM rollouts ORDER BY enqueued_at"),
         "attempts": rows("SELECT * FROM attempts ORDER BY sequence_id"),
         "policy_versions": rows("SELECT * FROM policy_versions"),
+        "feedback_seq": feedback_seq,
+        # Only the row that counts per (episode, source): what a new feedback is compared with.
+        "feedback": rows(schema.LATEST_FEEDBACK, [feedback_seq]),
     }
 
 

@@ -1,0 +1,209 @@
+"""Production episodes and their feedback: the part of DuckDBStore that the gateway's capture
+and the feedback API use.
+
+An episode is a rollout the gateway opens itself (`open_episode`, rollout `ep-<id>`, mode
+production) for calls that carry an episode id: running from its first call, with one attempt
+that no watchdog ends and no runner claims, since a production conversation may pause for days.
+Its reward arrives later as feedback, an append-only log (schema.FEEDBACK): one row per recorded
+change, numbered by `seq`, the newest row per (episode, source) the one that counts. A training
+run that read up to seq S reads what is new since with after_seq=S, late feedback included.
+
+A mixin of DuckDBStore: it works on the store's live state and durable log (declared below),
+with the same rule as the rest of the store: a write returns once it is on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from lightning_core.errors import Conflict, InvalidInput, NotFound
+from lightning_core.store import schema
+from lightning_core.types import (
+    Attempt,
+    Feedback,
+    FeedbackIn,
+    FeedbackReceipt,
+    Rollout,
+    RolloutMode,
+    RolloutStatus,
+    episode_rollout_id,
+    new_id,
+    now,
+)
+
+if TYPE_CHECKING:
+    from lightning_core.store.worker import DatabaseWorker
+
+# The worker id of every production episode's attempt: no runner claims it.
+PRODUCTION_WORKER = "production"
+
+
+class EpisodeStore:
+    """Production episodes and feedback, on the state of the DuckDBStore it is part of."""
+
+    # What it uses of the store (duckdb_store.py).
+    _rollouts: dict[str, Rollout]
+    _attempts: dict[str, Attempt]
+    _attempts_of: dict[str, list[str]]
+    _written: int
+    _worker: DatabaseWorker
+
+    if TYPE_CHECKING:
+
+        def _start_background(self) -> None: ...
+        def _log(self, table: schema.Table, row: tuple[Any, ...]) -> None: ...
+        def _log_rollout(self, rollout: Rollout) -> None: ...
+        def _log_attempt(self, attempt: Attempt) -> None: ...
+        async def _sync(self, upto: int | None = None) -> None: ...
+
+    def _load_episodes(self, state: dict[str, Any]) -> None:
+        # Per production episode (rollout id) just created: the write count once its rows were
+        # logged, so that opening a known episode waits for those rows only, not for others.
+        self._episode_written: dict[str, int] = {}
+        # Per (episode, source): the row that counts and the write count once it was logged
+        # (0: loaded from the file, on disk already).
+        self._feedback: dict[tuple[str, str], tuple[Feedback, int]] = {}
+        self._feedback_seq: int = state["feedback_seq"]
+        for row in state["feedback"]:
+            feedback = Feedback.model_validate(row)
+            self._feedback[(feedback.episode_id, feedback.source)] = (feedback, 0)
+
+    def _episode(self, episode_id: str) -> Rollout:
+        rollout = self._rollouts.get(episode_rollout_id(episode_id))
+        if rollout is None or rollout.mode is not RolloutMode.production:
+            raise NotFound(
+                f"no episode {episode_id!r} in the store: an episode exists once a call with "
+                "this id has gone through the gateway (X-Lightning-Episode)"
+            )
+        return rollout
+
+    async def get_episode(self, episode_id: str) -> Rollout:
+        """The rollout of production episode `episode_id`; NotFound if there is none."""
+        rollout = self._episode(episode_id)
+        await self._sync()
+        return rollout.model_copy(deep=True)
+
+    async def open_episode(
+        self,
+        episode_id: str,
+        agent_name: str | None = None,
+        policy_version: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Attempt:
+        """The attempt recording production episode `episode_id`, created by the first call:
+        rollout `ep-<id>` (mode production, running) with one attempt. Later calls return that
+        attempt, whatever they pass; durable before it returns."""
+        self._start_background()
+        rollout_id = episode_rollout_id(episode_id)
+        if (rollout := self._rollouts.get(rollout_id)) is None:
+            t = now()
+            rollout = Rollout(
+                rollout_id=rollout_id,
+                input={"episode_id": episode_id},
+                mode=RolloutMode.production,
+                status=RolloutStatus.running,
+                policy_version=policy_version,
+                attempt_count=1,
+                enqueued_at=t,
+                started_at=t,
+                metadata={**(metadata or {}), **({"agent_name": agent_name} if agent_name else {})},
+            )
+            attempt = Attempt(
+                attempt_id=new_id("at"),
+                rollout_id=rollout_id,
+                sequence_id=1,
+                worker_id=PRODUCTION_WORKER,
+                started_at=t,
+                last_heartbeat_at=t,
+            )
+            # Not in `_running`: the watchdog never ends an episode.
+            self._rollouts[rollout_id] = rollout
+            self._attempts[attempt.attempt_id] = attempt
+            self._attempts_of[rollout_id].append(attempt.attempt_id)
+            self._log_rollout(rollout)
+            self._log_attempt(attempt)
+            self._episode_written[rollout_id] = self._written
+        elif rollout.mode is not RolloutMode.production:
+            raise Conflict(f"rollout {rollout_id} exists and is not a production episode")
+        written = self._episode_written.get(rollout_id, 0)
+        await self._sync(written)
+        if written:
+            # On disk now: later opens need not wait for anything (0), and the map stays small.
+            self._episode_written.pop(rollout_id, None)
+        return self._attempts[self._attempts_of[rollout_id][0]].model_copy()
+
+    async def add_feedback(self, episode_id: str, feedback: FeedbackIn) -> FeedbackReceipt:
+        """Record a reward for an episode; one value counts per (episode, source), the newest.
+        The same value and comment again is "unchanged" (no new row): a resent feedback is
+        recorded once."""
+        self._start_background()
+        self._episode(episode_id)
+        key = (episode_id, feedback.source)
+        current = self._feedback.get(key)
+        if current is not None:
+            row, written = current
+            if row.value == feedback.value and row.comment == feedback.comment:
+                await self._sync(written)
+                return FeedbackReceipt(feedback=row.model_copy(deep=True), status="unchanged")
+        t = now()
+        self._feedback_seq += 1
+        row = Feedback(
+            seq=self._feedback_seq,
+            episode_id=episode_id,
+            source=feedback.source,
+            value=feedback.value,
+            time=feedback.time if feedback.time is not None else t,
+            recorded_at=t,
+            comment=feedback.comment,
+            metadata=dict(feedback.metadata),
+        )
+        self._log(schema.FEEDBACK, schema.feedback_row(row))
+        self._feedback[key] = (row, self._written)
+        await self._sync()
+        status = "recorded" if current is None else "replaced"
+        return FeedbackReceipt(feedback=row.model_copy(deep=True), status=status)
+
+    async def query_feedback(
+        self,
+        after_seq: int = 0,
+        through_seq: int | None = None,
+        episode_ids: Sequence[str] | None = None,
+    ) -> list[Feedback]:
+        """The feedback that counts (newest per episode and source, among rows up to
+        `through_seq`) of the episodes with a row in (after_seq, through_seq], or, with
+        `episode_ids`, of those episodes (`after_seq` then plays no part). Ordered by episode
+        and source. Read windows end to end ((0, S1], (S1, S2], ...): late feedback on an old
+        episode brings that episode back once, with its whole current feedback."""
+        watermark = self._feedback_seq
+        through = watermark if through_seq is None else through_seq
+        if after_seq < 0 or through < 0:
+            raise InvalidInput("after_seq and through_seq must be >= 0")
+        if through > watermark:
+            # Rows up to it may still arrive: a later read of the next window would see them
+            # again. Only a watermark the store gave out is a safe end.
+            raise InvalidInput(
+                f"through_seq {through} is past the feedback watermark {watermark}: take it "
+                "from feedback_watermark()"
+            )
+        if episode_ids is None and after_seq >= through:
+            return []
+        sql = f"SELECT * FROM ({schema.LATEST_FEEDBACK}) WHERE "
+        params: list[Any] = [through]
+        if episode_ids is not None:
+            sql += "episode_id IN ?"
+            params.append(list(episode_ids) or [""])
+        else:
+            sql += "episode_id IN (SELECT episode_id FROM feedback WHERE seq > ? AND seq <= ?)"
+            params += [after_seq, through]
+        await self._sync()
+        rows = orjson.loads(await self._worker.query(sql + " ORDER BY episode_id, source", params))
+        return [Feedback.model_validate(row) for row in rows]
+
+    async def feedback_watermark(self) -> int:
+        """The highest feedback seq recorded, 0 when none: the end of the next read window."""
+        seq = self._feedback_seq
+        await self._sync()
+        return seq

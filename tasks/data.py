@@ -1,0 +1,267 @@
+"""What a training run trains on, decided before it starts: its data plan.
+
+A run of `data=profile` trains on the agent's train split, as always. A recurring run takes only
+what is new since the previous run of its kind:
+
+- `new_tasks`: the task table's files after the one the previous `new_tasks` run read last
+  (online RL: new rollouts through the agent on those tasks);
+- `episodes`: the production episodes whose feedback arrived after the previous `episodes` run's
+  feedback watermark, each with its reward combined from its feedback up to this run's
+  watermark (offline training). Feedback recorded after the watermark belongs to the next run,
+  so every feedback row is taken by exactly one run.
+
+"Previous run" is the newest finished MLflow run of the agent tagged `data.complete` (a run
+sets it once it has trained, evaluated and gone through the promotion gate, promoted or not),
+and what it read is its tag `data.tasks.through` or `data.feedback.through`. A plan is saved
+in the run folder, so a resumed run trains on exactly the data it started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from lightning_core.adapter import AdapterConfig
+from lightning_core.errors import InvalidInput, LightningError
+from lightning_core.offline import OfflineBatch, episode_batch
+from lightning_core.task_table import TaskTable, content_hash
+from lightning_core.types import Feedback, Transition, episode_rollout_id
+from lightning_rl.registry.config import RegistryConfig
+from lightning_rl.registry.datasets import previous_run_tag
+from lightning_rl.tasks.server import store_client
+
+PLAN_FILE = "data_plan.json"
+TASKS_FILE = "train_tasks.json"
+EPISODES_FILE = "episodes.json"
+TAG_COMPLETE = "data.complete"
+TAG_SOURCE = "data.source"
+WATERMARK_TAGS = {"new_tasks": "data.tasks.through", "episodes": "data.feedback.through"}
+# The store answers at most 10,000 ids per query (issue 13's limits).
+_QUERY_CHUNK = 5000
+
+
+class DataPlan(BaseModel):
+    """The data one run trains on, and how to find it again."""
+
+    source: Literal["profile", "new_tasks", "episodes"]
+    name: str = Field(description="Dataset name: the task table's folder, or <agent>-episodes.")
+    dataset_id: str = Field(description="<name>@<first 12 hex digits of the content hash>.")
+    rows: int = Field(description="Tasks, or episodes with feedback.")
+    content_hash: str = Field(description="sha256 of the rows' canonical JSON, in order.")
+    through: str | None = Field(
+        None, description="Watermark read up to: the last table file, or the feedback seq."
+    )
+    after: str | None = Field(None, description="The previous run's watermark (None: first).")
+    previous_run: str | None = Field(None, description="MLflow run id of the previous run.")
+    source_uri: str = Field("", description="Where the rows came from (table folder, server).")
+
+    @property
+    def empty(self) -> bool:
+        return self.rows == 0
+
+    def reason(self) -> str:
+        """Why a run with nothing new stops, in words."""
+        since = (
+            f"since MLflow run {self.previous_run} (read through {self.after})"
+            if self.previous_run
+            else "(no earlier run)"
+        )
+        what = {
+            "new_tasks": f"no new tasks in {self.source_uri}",
+            "episodes": f"no new feedback on episodes of {self.source_uri}",
+            "profile": "no tasks",
+        }[self.source]
+        return f"{what} {since}: nothing to train on, so nothing trained or registered"
+
+    def tags(self) -> dict[str, str]:
+        tags = {TAG_SOURCE: self.source}
+        if self.source in WATERMARK_TAGS and self.through is not None:
+            tags[WATERMARK_TAGS[self.source]] = self.through
+        if self.previous_run:
+            tags["data.previous_run"] = self.previous_run
+        return tags
+
+
+def table_folder(config: Any, agent_name: str) -> Path:
+    """data=new_tasks reads this table: the configured folder, else <run_dir>/data/<agent>-tasks."""
+    if config.task_table:
+        return Path(config.task_table).resolve()
+    return Path(config.run_dir).resolve() / "data" / f"{agent_name}-tasks"
+
+
+def _previous(registry: RegistryConfig, agent: str, source: str) -> tuple[str | None, str | None]:
+    found = previous_run_tag(registry, agent, WATERMARK_TAGS[source])
+    return (found[0], found[1]) if found else (None, None)
+
+
+def plan_profile(agent_name: str, tasks: Sequence[dict[str, Any]]) -> DataPlan:
+    digest = content_hash(list(tasks))
+    name = f"{agent_name}-train"
+    return DataPlan(
+        source="profile",
+        name=name,
+        dataset_id=f"{name}@{digest[:12]}",
+        rows=len(tasks),
+        content_hash=digest,
+        source_uri=f"agent profile {agent_name}",
+    )
+
+
+def plan_new_tasks(
+    folder: Path, registry: RegistryConfig, agent_name: str
+) -> tuple[DataPlan, list[dict[str, Any]]]:
+    """The table's tasks added since the previous new_tasks run."""
+    previous_run, after = _previous(registry, agent_name, "new_tasks")
+    if not folder.exists():
+        snapshot_tasks: list[dict[str, Any]] = []
+        plan = DataPlan(
+            source="new_tasks",
+            name=folder.name,
+            dataset_id=f"{folder.name}@empty",
+            rows=0,
+            content_hash=content_hash([]),
+            after=after,
+            through=after,
+            previous_run=previous_run,
+            source_uri=str(folder),
+        )
+        return plan, snapshot_tasks
+    part = TaskTable(folder).snapshot(after=after)
+    plan = DataPlan(
+        source="new_tasks",
+        name=part.table,
+        dataset_id=part.dataset_id,
+        rows=part.rows,
+        content_hash=part.content_hash,
+        through=part.through or after,
+        after=after,
+        previous_run=previous_run,
+        source_uri=str(folder),
+    )
+    return plan, list(part.tasks)
+
+
+async def _fetch_episodes(
+    url: str, key_file: str | None, after: int
+) -> tuple[int, list[Feedback], list[Any], list[Any]]:
+    async with store_client(url, key_file) as store:
+        through = await store.feedback_watermark()
+        feedback = await store.query_feedback(after_seq=after, through_seq=through)
+        ids = sorted({episode_rollout_id(f.episode_id) for f in feedback})
+        rollouts, spans = [], []
+        for i in range(0, len(ids), _QUERY_CHUNK):
+            chunk = ids[i : i + _QUERY_CHUNK]
+            rollouts += await store.query_rollouts(rollout_ids=chunk)
+            spans += await store.query_spans(chunk)
+        return through, feedback, rollouts, spans
+
+
+def plan_episodes(
+    url: str,
+    key_file: str | None,
+    registry: RegistryConfig,
+    agent_name: str,
+    offline: Any,
+    train_agents: Sequence[str] | None,
+) -> tuple[DataPlan, OfflineBatch | None]:
+    """The production episodes whose feedback arrived since the previous episodes run."""
+    previous_run, after = _previous(registry, agent_name, "episodes")
+    try:
+        after_seq = int(after) if after is not None else 0
+    except ValueError:
+        raise InvalidInput(
+            f"MLflow run {previous_run} has a feedback watermark {after!r} that is not a number"
+        ) from None
+    try:
+        through, feedback, rollouts, spans = asyncio.run(_fetch_episodes(url, key_file, after_seq))
+    except LightningError as exc:
+        raise type(exc)(f"cannot read episodes from the production server {url}: {exc}") from exc
+    name = f"{agent_name}-episodes"
+    batch = None
+    rows: list[dict[str, Any]] = []
+    if feedback:
+        batch = episode_batch(
+            rollouts, spans, feedback, offline, AdapterConfig(agents=train_agents)
+        )
+        rows = [
+            {"episode": e, "transitions": _transition_digests(batch.transitions, e)}
+            for e in sorted({t.rollout_id for t in batch.transitions})
+        ]
+        rows = [
+            {**r, "feedback": [f.model_dump(include={"source", "value", "seq"}) for f in fb]}
+            for r in rows
+            for fb in [[f for f in feedback if episode_rollout_id(f.episode_id) == r["episode"]]]
+        ]
+    digest = content_hash(rows)
+    plan = DataPlan(
+        source="episodes",
+        name=name,
+        dataset_id=f"{name}@{digest[:12]}",
+        rows=len(rows),
+        content_hash=digest,
+        through=str(max(through, after_seq)),
+        after=after,
+        previous_run=previous_run,
+        source_uri=url,
+    )
+    return plan, batch
+
+
+def _transition_digests(transitions: Sequence[Transition], rollout_id: str) -> list[str]:
+    # An episode's data is its exact tokens, logprobs and reward: hashed, not copied, into rows.
+    return [
+        content_hash(
+            [
+                t.model_dump(
+                    mode="json",
+                    include={
+                        "step",
+                        "prompt_token_ids",
+                        "response_token_ids",
+                        "response_logprobs",
+                        "reward",
+                    },
+                )
+            ]
+        )
+        for t in transitions
+        if t.rollout_id == rollout_id
+    ]
+
+
+def save_plan(
+    root: Path,
+    plan: DataPlan,
+    tasks: Sequence[dict[str, Any]] | None = None,
+    batch: OfflineBatch | None = None,
+) -> None:
+    """The plan and its data into the run folder: a resumed run reads them back."""
+    from lightning_rl.flows.run_state import _write_atomically
+
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    if tasks is not None:
+        _write_atomically(data / TASKS_FILE, json.dumps(list(tasks)))
+    if batch is not None:
+        _write_atomically(data / EPISODES_FILE, batch.model_dump_json())
+    _write_atomically(data / PLAN_FILE, plan.model_dump_json(indent=1))
+
+
+def load_plan(root: Path) -> DataPlan | None:
+    path = root / "data" / PLAN_FILE
+    if not path.exists():
+        return None
+    return DataPlan.model_validate_json(path.read_text())
+
+
+def load_plan_tasks(root: str | Path) -> list[dict[str, Any]]:
+    return json.loads((Path(root) / "data" / TASKS_FILE).read_text())
+
+
+def load_plan_batch(root: str | Path) -> OfflineBatch:
+    return OfflineBatch.model_validate_json((Path(root) / "data" / EPISODES_FILE).read_text())
