@@ -229,6 +229,20 @@ def _command_options() -> list[inspect.Parameter]:
             ],
         ),
         inspect.Parameter(
+            "preset",
+            keyword,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Option(
+                    metavar="NAME",
+                    help="Start from a named set of settings (flows/presets.py): cpu (the "
+                    "defaults) or gpu (Qwen2.5-1.5B-Instruct on vLLM, bf16, larger batches); "
+                    "--config and flags win over it.",
+                ),
+            ],
+        ),
+        inspect.Parameter(
             "resume",
             keyword,
             default=None,
@@ -308,12 +322,17 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 def train_fields(
     options: dict[str, Any], config: Path | None, resume: str | None
 ) -> dict[str, Any]:
-    """TrainConfig's fields from, in the order they win: the defaults, the resumed run's
-    config, the --config file, the flags. Nested settings merge key by key over the layer
-    below, so `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
+    """TrainConfig's fields from, in the order they win: the defaults, the --preset
+    (`options["preset"]`, flows/presets.py), the resumed run's config, the --config file, the
+    flags. Nested settings merge key by key over the layer below, so
+    `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
     from lightning_rl.flows.config import TrainConfig
+    from lightning_rl.flows.presets import preset_fields
     from lightning_rl.flows.run_state import CONFIG_FILE, run_path
 
+    # The preset travels with the flags (so this signature stays) but is no setting itself.
+    options = dict(options)
+    preset = options.pop("preset", None)
     flags: dict[str, Any] = {}
     for name, value in options.items():
         if value is None or value == []:
@@ -333,6 +352,8 @@ def train_fields(
             )
         layers = [_read_json(saved, "the config of run"), *layers]
         layers.append({"run_name": resume, "run_dir": run_dir})
+    if preset is not None:
+        layers = [preset_fields(preset), *layers]
     defaults = TrainConfig().model_dump(mode="json")
     fields: dict[str, Any] = {}
     for layer in layers:

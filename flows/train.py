@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -111,6 +112,15 @@ def _fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, 
     if config.task_runner == "threads":
         futures = run_rollouts.map(**parameters)
         return [f.result() for f in futures]
+    # A cluster's workers may run on other machines, where paths on this one do not exist.
+    parameters = dict(parameters)
+    if os.environ.get("LIGHTNING_API_KEY"):
+        # The policy server's key is then the user's (tasks/server.py): workers read it from
+        # their own LIGHTNING_API_KEY, not from the key file.
+        parameters["key_file"] = unmapped(None)
+    if config.task_runner_address is not None:
+        # The run folder's progress file stays on this machine; the flow reports the stages.
+        parameters["run_dir"] = unmapped(None)
     with _cluster_runner(config) as runner:
         futures = runner.map(run_rollouts, parameters)
         return [f.result() for f in futures]

@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from lightning_core.algo.config import TrainerConfig
+from lightning_core.algo.distributed import train_data_parallel
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.errors import Conflict
 from lightning_core.offline import OfflineBatch, OfflineConfig, choose_method, filtered
@@ -116,6 +117,10 @@ def train_policy(
         "train/transitions": float(len(batch)),
         "train/skipped_transitions": float(len(transitions) - len(batch)),
     }
+    if trainer_config.data_parallel > 1:
+        return metrics | _train_data_parallel(
+            trainer_config, batch, previous_adapter, adapter_dir, updates, seed
+        )
     with concurrency(GPU_LIMIT, occupy=1, strict=True):
         trainer = _trainer(trainer_config, previous_adapter)
         if batch:
@@ -125,6 +130,36 @@ def train_policy(
             metrics |= _mean(steps)
         _save(trainer, adapter_dir)
     return metrics
+
+
+def _train_data_parallel(
+    config: TrainerConfig,
+    batch: list[Transition],
+    previous_adapter: str | None,
+    adapter_dir: str,
+    updates: int,
+    seed: int,
+) -> dict[str, Any]:
+    """train_policy's updates (the same shuffle and split) shared by `config.data_parallel`
+    processes (lightning_core/algo/distributed.py), saved whole into `adapter_dir` as _save
+    does. No trainer stays live: the next iteration's processes load the saved folder."""
+    final = Path(adapter_dir).resolve()
+    with _live_lock:
+        # Also a trainer kept for the folder about to be overwritten (a redone iteration).
+        stale = [k for k in _live if k[1] == config.model_dump_json() or k[0] == str(final)]
+        for key in stale:
+            del _live[key]
+    random.Random(seed).shuffle(batch)
+    parts = max(1, min(updates, len(batch))) if batch else 0
+    staging = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    with concurrency(GPU_LIMIT, occupy=1, strict=True):
+        steps = train_data_parallel(
+            config, [batch[i::parts] for i in range(parts)], previous_adapter, staging
+        )
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    return _mean(steps) if steps else {}
 
 
 # No retries, as train-policy.

@@ -25,7 +25,7 @@ from lightning_rl.flows.config import (
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = list(TrainConfig.model_fields)
 DEFAULTS = TrainConfig().model_dump(mode="json")
-COMMAND_ONLY = {"config", "resume", "quiet"}
+COMMAND_ONLY = {"config", "preset", "resume", "quiet"}
 
 
 @flow(name="config-surface")

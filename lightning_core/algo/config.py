@@ -57,3 +57,11 @@ class TrainerConfig(BaseModel):
         None, description="None: float32 on CPU, bfloat16 on CUDA."
     )
     seed: int = Field(0, description="Seeds adapter initialisation and dropout.")
+    data_parallel: int = Field(
+        1,
+        ge=1,
+        description="Processes that share each train-policy update (torch.distributed data "
+        "parallel: each backpropagates its share of the batch and the gradients are summed; "
+        "gloo on CPU, NCCL with one GPU per process). 1: one process, in the flow's own. The "
+        "saved adapter is the same either way; offline training runs in one process.",
+    )

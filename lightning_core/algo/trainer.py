@@ -271,15 +271,35 @@ class LoRATrainer:
         likelihood = objective == "likelihood"
         self._check(transitions, advantage=not likelihood, logprobs=not likelihood)
         started = time.perf_counter()
-        c = self.config
-        per_token = c.aggregation == "token-mean"
-        total = (
-            sum(len(t.response_token_ids) for t in transitions) if per_token else len(transitions)
-        )
-        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
-        tokens = 0
+        sums = self.accumulate(transitions, objective, self.loss_total(transitions))
+        grad_norm = self.apply_gradients()
+        seconds = time.perf_counter() - started
+        return self.step_metrics(sums, grad_norm, seconds)
+
+    # The three parts of step, which a data-parallel update (distributed.py) runs with the
+    # batch's global loss total and all-reduces between accumulate and apply_gradients.
+
+    def loss_total(self, transitions: Sequence[Transition]) -> int:
+        """What a micro-batch's loss is weighted against: the batch's response tokens for
+        token-mean, else its transitions."""
+        if self.config.aggregation == "token-mean":
+            return sum(len(t.response_token_ids) for t in transitions)
+        return len(transitions)
+
+    def accumulate(
+        self, transitions: Sequence[Transition], objective: Objective, total: int
+    ) -> dict[str, float]:
+        """Backward over the transitions in micro-batches, each loss weighted by its share of
+        `total`, adding to the gradients; the sums the metrics are made of."""
+        c = self.config
+        likelihood = objective == "likelihood"
+        per_token = c.aggregation == "token-mean"
+        self.model.train()
+        sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "tokens": 0.0}
+        sums["all_tokens"] = float(
+            sum(len(t.prompt_token_ids) + len(t.response_token_ids) for t in transitions)
+        )
         for batch in self._micro_batches(self._by_length(transitions)):
             x, masked = self._tensors(batch)
             logp, logits = self._logprobs(x, masked)
@@ -310,21 +330,27 @@ class LoRATrainer:
             sums["kl"] += out.kl * batch_tokens
             sums["clip_frac"] += out.clip_frac * batch_tokens
             sums["entropy"] += entropy_from_logits(logits, x["mask"]) * batch_tokens
-            tokens += batch_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
+            sums["tokens"] += batch_tokens
+        return sums
+
+    def apply_gradients(self) -> float:
+        """Clip the accumulated gradient and step the optimizer; the norm before clipping."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         self.version += 1
-        seconds = time.perf_counter() - started
+        return float(grad_norm)
+
+    @staticmethod
+    def step_metrics(sums: dict[str, float], grad_norm: float, seconds: float) -> dict[str, float]:
+        """step's `train/*` metrics from accumulate's sums (over all processes' shares)."""
+        tokens = sums["tokens"]
         return {
             "train/loss": sums["loss"],
             "train/kl": sums["kl"] / tokens,
             "train/clip_frac": sums["clip_frac"] / tokens,
             "train/entropy": sums["entropy"] / tokens,
-            "train/grad_norm": float(grad_norm),
-            "train/tokens_per_s": sum(
-                len(t.prompt_token_ids) + len(t.response_token_ids) for t in transitions
-            )
-            / seconds,
+            "train/grad_norm": grad_norm,
+            "train/tokens_per_s": sums["all_tokens"] / seconds,
         }
 
     # ------------------------------------------------------------------ versions
