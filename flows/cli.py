@@ -13,9 +13,9 @@ import functools
 import inspect
 import json
 import os
-import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -556,20 +556,21 @@ def production(
         config = resolve(RegistryConfig(**overrides), spec.registered_model)
         store_path = Path(db or Path("runs") / "production" / f"{spec.name}.duckdb").resolve()
         store_path.parent.mkdir(parents=True, exist_ok=True)
-        found = champion_adapter(config, policy)
-        if found is None:
-            raise LightningError(
-                f"registered model {config.registered_model!r} has no version {policy!r}: "
-                "train one first (lightning-rl train)"
-            )
-        name = f"{config.registered_model}-v{found.version}"
-        # The adapter beside the store, where it stays as long as episodes name it.
-        adapter = store_path.parent / "adapters" / name
-        if not adapter.exists():
-            staging = adapter.with_name(f".{name}.partial")
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.copytree(found.adapter, staging)
-            os.replace(staging, adapter)
+        # Downloaded beside the store and renamed into place, whole; a temporary folder that
+        # goes away either way.
+        with tempfile.TemporaryDirectory(dir=store_path.parent, prefix=".download-") as download:
+            found = champion_adapter(config, policy, dst=download)
+            if found is None:
+                raise LightningError(
+                    f"registered model {config.registered_model!r} has no version {policy!r}: "
+                    "train one first (lightning-rl train)"
+                )
+            name = f"{config.registered_model}-v{found.version}"
+            # The adapter beside the store, where it stays as long as episodes name it.
+            adapter = store_path.parent / "adapters" / name
+            if not adapter.exists():
+                adapter.parent.mkdir(exist_ok=True)
+                os.replace(found.adapter, adapter)
 
         async def register() -> None:
             store = DuckDBStore(StoreConfig(db=str(store_path)))

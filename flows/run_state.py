@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from lightning_core.errors import InvalidInput
 from lightning_core.evaluation import EvalResult
+from lightning_core.files import write_text_atomically
 
 CHECKPOINT_FILE = "checkpoint.json"
 CONFIG_FILE = "config.json"
@@ -100,22 +101,7 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
 
 def save_checkpoint(root: Path, checkpoint: Checkpoint) -> None:
     """Replace the checkpoint whole: written aside, flushed to disk, then renamed."""
-    _write_atomically(root / CHECKPOINT_FILE, checkpoint.model_dump_json(indent=1))
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    # The rename itself must reach the disk before the run goes on.
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_text_atomically(root / CHECKPOINT_FILE, checkpoint.model_dump_json(indent=1))
 
 
 def check_same_config(root: Path, config: dict[str, Any]) -> None:
@@ -139,4 +125,4 @@ def check_same_config(root: Path, config: dict[str, Any]) -> None:
 
 
 def save_config(root: Path, config: dict[str, Any]) -> None:
-    _write_atomically(root / CONFIG_FILE, json.dumps(config, indent=2))
+    write_text_atomically(root / CONFIG_FILE, json.dumps(config, indent=2))

@@ -615,17 +615,19 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     benchmark = _check_benchmark(config, agent, test_tasks)
     # A resumed run trains on the data it planned when it started; a new one plans it now,
     # and ends here, before any run folder or MLflow run exists, when nothing is new.
-    resumed = load_checkpoint(run_path(config.run_dir, run_name)) is not None
-    plan = data_plan.load_plan(run_path(config.run_dir, run_name)) if resumed else None
-    new_tasks = batch = None
-    if plan is None:
+    path = run_path(config.run_dir, run_name)
+    resumed = load_checkpoint(path) is not None
+    saved = data_plan.load_plan(path) if resumed else None
+    if saved is None:
         plan, new_tasks, batch = _plan_data(config, agent, registry_config)
         if plan.empty and config.data != "profile" and not resumed:
             return _nothing_new(agent, run_name, plan)
+    else:
+        plan = saved
     root, checkpoint = _start_or_resume(config, run_name)
     if config.rollout_timeout_s is None:
         config = config.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
-    if new_tasks is not None or batch is not None or not (root / "data").exists():
+    if saved is None:
         data_plan.save_plan(root, plan, new_tasks, batch)
     train_tasks = _train_tasks(config, str(root))
     started = time.time()

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -34,6 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lightning_core.errors import DiskFull, InvalidInput, NotFound
+from lightning_core.files import write_atomically
 from lightning_core.types import FiniteFloat, Transition
 
 # The step of the single row that stands for a rollout without any transition.
@@ -221,21 +220,6 @@ def _validate(frame: pd.DataFrame, iteration: int) -> pd.DataFrame:
     return frame
 
 
-def _write_atomically(table: pa.Table, path: Path) -> None:
-    # The temporary name does not end in .parquet, so readers globbing *.parquet never see a
-    # half-written file; os.replace then swaps the whole file in at once.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def export_iteration(root: Path, iteration: int, rows: list[dict[str, Any]] | pd.DataFrame) -> Path:
     """Write an iteration's rows to `root/transitions/iteration=<k>/part-0.parquet`.
 
@@ -260,7 +244,7 @@ def export_iteration(root: Path, iteration: int, rows: list[dict[str, Any]] | pd
     new_folder = not path.parent.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(table, path)
+        write_atomically(path, lambda f: pq.write_table(table, f))
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

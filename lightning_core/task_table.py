@@ -28,7 +28,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import os
 import re
 import secrets
 import time
@@ -42,6 +41,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, Field
 
 from lightning_core.errors import DiskFull, InvalidInput
+from lightning_core.files import write_atomically
 
 SCHEMA = pa.schema(
     [
@@ -183,7 +183,7 @@ class TaskTable:
                 schema=SCHEMA,
             )
             try:
-                _write_atomically(table, self.folder / name)
+                write_atomically(self.folder / name, lambda f: pq.write_table(table, f))
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise DiskFull(f"no room to append to {self.folder}: {exc}") from exc
@@ -314,22 +314,3 @@ def _name(stamp: datetime) -> str:
 def _some(ids: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(i) for i in ids[:limit])
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
-
-
-def _write_atomically(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    # The rename itself is durable once the folder's entry is on disk.
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from lightning_core.adapter import AdapterConfig
 from lightning_core.errors import InvalidInput, LightningError
+from lightning_core.files import write_text_atomically
 from lightning_core.offline import OfflineBatch, episode_batch
 from lightning_core.task_table import TaskTable, content_hash
 from lightning_core.types import Feedback, Transition, episode_rollout_id
@@ -188,15 +189,7 @@ def plan_episodes(
         batch = episode_batch(
             rollouts, spans, feedback, offline, AdapterConfig(agents=train_agents)
         )
-        rows = [
-            {"episode": e, "transitions": _transition_digests(batch.transitions, e)}
-            for e in sorted({t.rollout_id for t in batch.transitions})
-        ]
-        rows = [
-            {**r, "feedback": [f.model_dump(include={"source", "value", "seq"}) for f in fb]}
-            for r in rows
-            for fb in [[f for f in feedback if episode_rollout_id(f.episode_id) == r["episode"]]]
-        ]
+        rows = _episode_rows(batch.transitions, feedback)
     digest = content_hash(rows)
     plan = DataPlan(
         source="episodes",
@@ -212,25 +205,26 @@ def plan_episodes(
     return plan, batch
 
 
-def _transition_digests(transitions: Sequence[Transition], rollout_id: str) -> list[str]:
-    # An episode's data is its exact tokens, logprobs and reward: hashed, not copied, into rows.
-    return [
-        content_hash(
-            [
-                t.model_dump(
-                    mode="json",
-                    include={
-                        "step",
-                        "prompt_token_ids",
-                        "response_token_ids",
-                        "response_logprobs",
-                        "reward",
-                    },
-                )
-            ]
+_HASHED = {"step", "prompt_token_ids", "response_token_ids", "response_logprobs", "reward"}
+
+
+def _episode_rows(
+    transitions: Sequence[Transition], feedback: Sequence[Feedback]
+) -> list[dict[str, Any]]:
+    """What identifies the episodes' data, one row each in episode order: its calls' exact
+    tokens, logprobs and rewards (hashed, not copied) and the feedback they came from."""
+    digests: dict[str, list[str]] = {}
+    for t in transitions:
+        digests.setdefault(t.rollout_id, []).append(
+            content_hash([t.model_dump(mode="json", include=_HASHED)])
         )
-        for t in transitions
-        if t.rollout_id == rollout_id
+    given: dict[str, list[dict[str, Any]]] = {}
+    for f in feedback:
+        row = f.model_dump(include={"source", "value", "seq"})
+        given.setdefault(episode_rollout_id(f.episode_id), []).append(row)
+    return [
+        {"episode": e, "transitions": digests[e], "feedback": given.get(e, [])}
+        for e in sorted(digests)
     ]
 
 
@@ -241,15 +235,13 @@ def save_plan(
     batch: OfflineBatch | None = None,
 ) -> None:
     """The plan and its data into the run folder: a resumed run reads them back."""
-    from lightning_rl.flows.run_state import _write_atomically
-
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
     if tasks is not None:
-        _write_atomically(data / TASKS_FILE, json.dumps(list(tasks)))
+        write_text_atomically(data / TASKS_FILE, json.dumps(list(tasks)))
     if batch is not None:
-        _write_atomically(data / EPISODES_FILE, batch.model_dump_json())
-    _write_atomically(data / PLAN_FILE, plan.model_dump_json(indent=1))
+        write_text_atomically(data / EPISODES_FILE, batch.model_dump_json())
+    write_text_atomically(data / PLAN_FILE, plan.model_dump_json(indent=1))
 
 
 def load_plan(root: Path) -> DataPlan | None:

@@ -96,6 +96,17 @@ def _save(trainer: LoRATrainer, adapter_dir: str) -> None:
         _live[(str(final), config)] = (trainer, torch.get_rng_state())
 
 
+def _split_updates(batch: Sequence[Transition], updates: int, seed: int) -> list[list[Transition]]:
+    """The batch shuffled by `seed` and dealt into `updates` parts (fewer when the batch is
+    smaller), one optimizer update each; none for an empty batch."""
+    if not batch:
+        return []
+    shuffled = list(batch)
+    random.Random(seed).shuffle(shuffled)
+    parts = max(1, min(updates, len(shuffled)))
+    return [shuffled[i::parts] for i in range(parts)]
+
+
 # No retries: an update that failed after its optimizer step would be applied twice.
 @task(name="train-policy", timeout_seconds=6 * 3600, tags=["gpu"], cache_policy=NO_CACHE)
 def train_policy(
@@ -123,10 +134,8 @@ def train_policy(
         )
     with concurrency(GPU_LIMIT, occupy=1, strict=True):
         trainer = _trainer(trainer_config, previous_adapter)
-        if batch:
-            random.Random(seed).shuffle(batch)
-            parts = max(1, min(updates, len(batch)))
-            steps = [trainer.step(batch[i::parts]) for i in range(parts)]
+        steps = [trainer.step(part) for part in _split_updates(batch, updates, seed)]
+        if steps:
             metrics |= _mean(steps)
         _save(trainer, adapter_dir)
     return metrics
@@ -149,13 +158,11 @@ def _train_data_parallel(
         stale = [k for k in _live if k[1] == config.model_dump_json() or k[0] == str(final)]
         for key in stale:
             del _live[key]
-    random.Random(seed).shuffle(batch)
-    parts = max(1, min(updates, len(batch))) if batch else 0
     staging = final.with_name(f".{final.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     with concurrency(GPU_LIMIT, occupy=1, strict=True):
         steps = train_data_parallel(
-            config, [batch[i::parts] for i in range(parts)], previous_adapter, staging
+            config, _split_updates(batch, updates, seed), previous_adapter, staging
         )
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
@@ -195,11 +202,9 @@ def train_offline(
             "train/transitions": float(len(chosen)),
             "train/skipped_transitions": float(len(batch.transitions) - len(chosen)),
         }
-        if chosen:
-            chosen = list(chosen)
-            random.Random(seed).shuffle(chosen)
-            parts = max(1, min(updates, len(chosen)))
-            steps = [trainer.step(chosen[i::parts], objective=objective) for i in range(parts)]
+        parts = _split_updates(chosen, updates, seed)
+        steps = [trainer.step(part, objective=objective) for part in parts]
+        if steps:
             metrics |= _mean(steps)
         _save(trainer, adapter_dir)
     return metrics
