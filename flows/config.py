@@ -73,6 +73,22 @@ class TrainConfig(BaseModel):
     task_runner_address: str | None = Field(
         None, description="Ray address or Dask scheduler address; None starts a local one."
     )
+    staleness: int = Field(
+        0,
+        ge=0,
+        description="Concurrent rollouts and training: the next iterations' rollouts run on "
+        "the newest published policy while this iteration's update trains, at most this many "
+        "versions behind the policy they train. 0: one after the other (each iteration's "
+        "rollouts on the policy the previous one published). Above 0 the update uses truncated "
+        "importance sampling (trainer.tis_cap, 2.0 unless set). Not with data=episodes.",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Backend processes the policy server serves the policy from (least-loaded "
+        "routing, a rollout's calls kept on one replica, each new adapter loaded on all before "
+        "it is published). 1: one backend in the server's own process.",
+    )
     eval_every: int = Field(4, ge=1, description="Evaluate on the held-out split every E.")
     eval_size: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
     train_size: int = Field(2000, ge=1, description="Size of the train split sampled from.")
@@ -173,6 +189,17 @@ class TrainConfig(BaseModel):
         if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,80}", value):
             raise ValueError("run_name may hold letters, digits, '.', '_' and '-' only")
         return value
+
+    @model_validator(mode="after")
+    def _stale_rollouts_are_truncated(self) -> TrainConfig:
+        if self.staleness and self.data == "episodes":
+            raise ValueError(
+                "staleness overlaps rollouts with training; data=episodes trains on recorded "
+                "episodes and has no rollouts: use staleness=0"
+            )
+        if self.staleness and "tis_cap" not in self.trainer.model_fields_set:
+            self.trainer = self.trainer.model_copy(update={"tis_cap": 2.0})
+        return self
 
     @model_validator(mode="after")
     def _episodes_need_a_source(self) -> TrainConfig:

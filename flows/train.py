@@ -28,6 +28,7 @@ which serves each agent's calls with its own, and that one version is evaluated,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -55,6 +56,7 @@ from lightning_core.errors import InvalidInput
 from lightning_core.evaluation import EvalResult, benchmark_id
 from lightning_core.rewards import AIRRule
 from lightning_core.types import RolloutStatus
+from lightning_rl.flows import pipeline
 from lightning_rl.flows.config import TrainConfig, train_config_parameters
 from lightning_rl.flows.run_state import (
     Checkpoint,
@@ -286,6 +288,32 @@ def _rollout_rounds(
     return merged, sampled
 
 
+@flow(name="rollouts", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
+def rollout_batch(
+    config: TrainConfig,
+    run: RunContext,
+    learnability: dict[str, float],
+    policy: str,
+    iteration: int,
+) -> pipeline.Batch:
+    """With staleness > 0: iteration k's rollouts, sampled ahead of its training on `policy`
+    (flows/pipeline.py), from the producer's thread; the iteration subflow trains on them."""
+    agent = profile(config.agent, config.tasks)
+    curriculum = Curriculum(_train_tasks(config, run.root), config.curriculum, config.seed)
+    curriculum.learnability.update(learnability)
+    started = time.time()
+    progress.report(run.root, "rollouts", iteration=iteration, policy=policy)
+    collected, sampled = _rollout_rounds(config, agent, run, curriculum, policy, iteration)
+    return pipeline.Batch(
+        collected=collected,
+        sampled=sampled,
+        learnability=dict(curriculum.learnability),
+        policy=policy,
+        started=started,
+        ended=time.time(),
+    )
+
+
 def _offline_data(run: RunContext) -> tuple[Collected, dict[str, float]]:
     """data=episodes: every iteration trains on the run's episodes (an epoch each)."""
     batch = _plan_batch(run.root)
@@ -350,10 +378,22 @@ def train_iteration(
     progress.report(run.root, "iteration", iteration=it, policy=policy)
     curriculum = Curriculum(_train_tasks(config, run.root), config.curriculum, config.seed)
     curriculum.learnability.update(checkpoint.learnability)
+    ahead = pipeline.running(run.run_name)
+    overlap: dict[str, float] = {}
     if config.data == "episodes":
         collected, sampled = _offline_data(run)
+    elif ahead is not None:
+        batch, waited = ahead.take(it)
+        collected, sampled = batch.collected, batch.sampled
+        curriculum.learnability.update(batch.learnability)
+        overlap = {
+            "pipeline/trainer_wait_s": waited,
+            "pipeline/rollouts_s": batch.ended - batch.started,
+        }
     else:
         collected, sampled = _rollout_rounds(config, agent, run, curriculum, policy, it)
+    trained_from = pipeline.version_index(checkpoint.policy, run.run_name)
+    overlap |= pipeline.staleness_metrics(collected, trained_from, run.run_name)
     analysis = analyze_iteration(
         run.root, it, collected, artifact_key=report.artifact_key(agent.name, "agent-breakdown")
     )
@@ -397,7 +437,17 @@ def train_iteration(
         it,
         key_file=run.key_file,
     )
-    metrics = {"iteration": it, "policy": policy, **analysis["metrics"], **sampled, **trained}
+    if ahead is not None:
+        ahead.published(it, policy)
+        overlap["pipeline/producer_wait_s"] = ahead.producer_wait_s
+    metrics = {
+        "iteration": it,
+        "policy": policy,
+        **analysis["metrics"],
+        **sampled,
+        **trained,
+        **overlap,
+    }
     _record_iteration(run, checkpoint, metrics)
     evaluations = checkpoint.evaluations
     if it % config.eval_every == 0 or it == config.iterations:
@@ -414,6 +464,35 @@ def train_iteration(
     )
     save_checkpoint(Path(run.root), done)
     return done
+
+
+def _rollouts_ahead(
+    config: TrainConfig, run: RunContext, checkpoint: Checkpoint
+) -> contextlib.AbstractContextManager[Any]:
+    """With staleness > 0, the producer that samples iterations' rollouts ahead of their
+    training (flows/pipeline.py); with 0, nothing: each iteration samples its own."""
+    if not config.staleness or config.data == "episodes":
+        return contextlib.nullcontext()
+
+    # Each batch starts from the learnability the previous batch left: one curriculum.
+    learnability = dict(checkpoint.learnability)
+
+    def collect(iteration: int, policy: str) -> pipeline.Batch:
+        nonlocal learnability
+        batch = rollout_batch.with_options(flow_run_name=f"rollouts-{iteration}")(
+            config=config, run=run, learnability=learnability, policy=policy, iteration=iteration
+        )
+        learnability = batch.learnability
+        return batch
+
+    return pipeline.RolloutsAhead(
+        run.run_name,
+        collect,
+        checkpoint.iteration + 1,
+        config.iterations,
+        checkpoint.policy or run.base_model,
+        config.staleness,
+    )
 
 
 def _cancel_unfinished(server_url: str, key_file: str) -> int:
@@ -652,6 +731,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             model=config.model,
             tool_format=agent.tool_format,
             vllm_url=config.vllm_url,
+            replicas=config.replicas,
         ) as server,
         tracking(
             registry_config,
@@ -713,16 +793,17 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             save_checkpoint(root, checkpoint)
 
         bar = _progress_artifact(agent, run_name, checkpoint.iteration, config.iterations)
-        for it in range(checkpoint.iteration + 1, config.iterations + 1):
-            checkpoint = train_iteration.with_options(flow_run_name=f"iteration-{it}")(
-                config=config, run=run, checkpoint=checkpoint, iteration=it
-            )
-            # Restarts of the policy server so far (it is brought back when it dies).
-            log_metrics_once(
-                {"server/restarts": server.restarts}, step=it, run_id=checkpoint.mlflow_run_id
-            )
-            update_progress_artifact(bar, progress=100.0 * it / config.iterations)
-            _iterations_table(agent, run_name, checkpoint.history)
+        with _rollouts_ahead(config, run, checkpoint):
+            for it in range(checkpoint.iteration + 1, config.iterations + 1):
+                checkpoint = train_iteration.with_options(flow_run_name=f"iteration-{it}")(
+                    config=config, run=run, checkpoint=checkpoint, iteration=it
+                )
+                # Restarts of the policy server so far (it is brought back when it dies).
+                log_metrics_once(
+                    {"server/restarts": server.restarts}, step=it, run_id=checkpoint.mlflow_run_id
+                )
+                update_progress_artifact(bar, progress=100.0 * it / config.iterations)
+                _iterations_table(agent, run_name, checkpoint.history)
 
         evals = [(e.iteration, e.restored()) for e in checkpoint.evaluations]
         base, final = evals[0][1], evals[-1][1]

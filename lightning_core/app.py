@@ -4,19 +4,26 @@ It sits above both packages so that neither imports the other: the store serves 
 spans, the gateway serves the policy and records its calls through the store's `SpanRecorder`
 protocol. Errors on the gateway's paths are answered in the shape of the API that was called
 (OpenAI's, or Anthropic's on /v1/messages), so each official client raises its own error types.
+A new policy version's adapter is loaded on the backend (every replica) before the store
+commits the version (`_publishing`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from lightning_core.errors import LightningError
 from lightning_core.gateway.errors import error_response, is_gateway_path
 from lightning_core.gateway.routes import gateway_router
 from lightning_core.gateway.service import Gateway
 from lightning_core.store.duckdb_store import DuckDBStore
-from lightning_core.store.server import OrjsonRoute, create_store_app
+from lightning_core.store.server import OrjsonRoute, Publishing, create_store_app
+from lightning_core.types import PolicyVersion
 
 
 def _gateway_error(path: str, status: int, kind: str, message: str) -> JSONResponse | None:
@@ -32,12 +39,31 @@ def _gateway_details(gateway: Gateway) -> dict[str, Any]:
         "base_model": backend.base_model,
         "adapters_loaded": len(backend.adapters()),
     }
-    # The transformers backend counts its decoding and waiting sequences; vLLM has its own
-    # /metrics for that.
+    # The transformers backend counts its decoding and waiting sequences, a replicated one its
+    # replicas' calls; vLLM has its own /metrics for that.
     stats = getattr(backend, "stats", None)
     if callable(stats):
         details["backend_stats"] = stats()
     return details
+
+
+def _publishing(gateway: Gateway) -> Publishing:
+    """Each new policy version's adapter loaded on the backend (every replica) before the store
+    commits the version, and unloaded again if the store refuses it."""
+
+    @asynccontextmanager
+    async def publishing(version: PolicyVersion) -> AsyncIterator[None]:
+        loaded = await gateway.load_version(version)
+        try:
+            yield
+        except BaseException:
+            if loaded:
+                with contextlib.suppress(LightningError):
+                    await gateway.backend.unload_adapter(version.name)
+            raise
+        gateway.published(version)
+
+    return publishing
 
 
 def create_app(
@@ -62,6 +88,7 @@ def create_app(
         on_close=gateway.backend.close,
         error_body=_gateway_error,
         details=lambda: _gateway_details(gateway),
+        publishing=_publishing(gateway),
         description="The LightningStore (rollouts, spans, transitions, OTLP traces) and the "
         "policy gateway (OpenAI chat, completions and responses; Anthropic messages).",
     )

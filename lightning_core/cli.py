@@ -51,7 +51,11 @@ def serve(
         typer.Option(help="Base model folder or hub id (default SmolLM2-135M-Instruct)."),
     ] = None,
     vllm_url: Annotated[
-        str | None, typer.Option(help="With --backend vllm: attach to this server.")
+        str | None,
+        typer.Option(
+            help="With --backend vllm: attach to this server (with --replicas, to these, "
+            "comma-separated)."
+        ),
     ] = None,
     vllm_python: Annotated[
         str | None, typer.Option(help="With --backend vllm: Python of a vLLM environment.")
@@ -59,6 +63,13 @@ def serve(
     tool_format: Annotated[
         str | None,
         typer.Option(help="Tools for templates without them: auto, hermes or line."),
+    ] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Backend processes serving the policy (default 1); each call goes to the "
+            "least-loaded one, a rollout's calls stay on one."
+        ),
     ] = None,
     backend_options: Annotated[
         str | None,
@@ -98,6 +109,7 @@ def serve(
         "vllm_url": vllm_url,
         "vllm_python": vllm_python,
         "tool_format": tool_format,
+        "replicas": replicas,
     }
     try:
         if backend_options is not None:
@@ -124,6 +136,8 @@ def serve(
     )
     url = f"http://{settings.host}:{settings.port}"
     served = f"gateway {url}/v1 serving {gateway.backend.base_model}" if gateway else "no gateway"
+    if gateway is not None and settings.replicas > 1:
+        served += f" from {settings.replicas} replicas"
     typer.echo(
         f"lightning-rl store on {url} (db: {settings.db}, auth: "
         f"{'bearer key' if key else 'none, loopback only'}); {served}",
@@ -154,12 +168,34 @@ def _gateway(settings, store):
             settings.vllm_url,
             settings.vllm_python,
             options=settings.backend_options,
+            replicas=settings.replicas,
         )
     except OSError as exc:  # transformers' word for "no such folder, and the hub is unreachable"
         raise LightningError(f"cannot load model {settings.model!r}: {exc}") from exc
     if backend is None:
         return None
     return Gateway(backend, store, settings.gateway_config())
+
+
+@app.command(hidden=True)
+def replica(
+    port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1.")],
+    model: Annotated[str | None, typer.Option(help="Base model folder or hub id.")] = None,
+    backend_options: Annotated[
+        str, typer.Option(metavar="JSON", help="TransformersBackendConfig fields.")
+    ] = "{}",
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+) -> None:
+    """One policy replica of `serve --replicas N`, which starts it: the backend alone, over HTTP
+    on loopback, with the key from LIGHTNING_REPLICA_KEY (backends/remote_server.py)."""
+    import json
+
+    from lightning_core.backends.remote_server import serve_replica
+
+    try:
+        serve_replica(model, port, json.loads(backend_options), log_level)
+    except LightningError as exc:
+        _fail(exc)
 
 
 @app.command()

@@ -74,6 +74,13 @@ class StoreUnavailable(LightningError):
     status_code = 503
 
 
+class BackendUnavailable(LightningError):
+    """A policy backend (a replica process, a vLLM server) cannot be reached or answered with a
+    server error; another replica may serve the call (backends/replicas.py)."""
+
+    status_code = 503
+
+
 ERRORS_BY_NAME: dict[str, type[LightningError]] = {
     cls.__name__: cls
     for cls in (
@@ -87,20 +94,29 @@ ERRORS_BY_NAME: dict[str, type[LightningError]] = {
         RateLimited,
         DiskFull,
         StoreUnavailable,
+        BackendUnavailable,
     )
 }
 
 
-def error_from_answer(status: int, payload: bytes) -> LightningError:
+def error_from_answer(
+    status: int,
+    payload: bytes,
+    server: str = "store",
+    unavailable: type[LightningError] = StoreUnavailable,
+) -> LightningError:
     """The error a server's 4xx/5xx answer stands for, raised again on the client's side: the
     class named in its `{"error": {"type", "message"}}` body; a 5xx without one is
-    StoreUnavailable (the server is in trouble, not the request)."""
+    `unavailable` (the server is in trouble, not the request)."""
     try:
-        error = orjson.loads(payload)["error"]
-        cls = ERRORS_BY_NAME.get(error["type"], LightningError)
-        return cls(error["message"])
+        return error_from_body(orjson.loads(payload)["error"])
     except (orjson.JSONDecodeError, KeyError, TypeError):
         text = payload[:500].decode(errors="replace")
         if status >= 500:
-            return StoreUnavailable(f"store answered {status}: {text}")
-        return LightningError(f"store answered {status}: {text}")
+            return unavailable(f"{server} answered {status}: {text}")
+        return LightningError(f"{server} answered {status}: {text}")
+
+
+def error_from_body(error: dict) -> LightningError:
+    """The error an `{"type", "message"}` object names (KeyError/TypeError if it is not one)."""
+    return ERRORS_BY_NAME.get(error["type"], LightningError)(error["message"])

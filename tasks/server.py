@@ -84,9 +84,11 @@ def policy_server(
     vllm_url: str | None = None,
     start_timeout_s: float = 900.0,
     max_restarts: int = serving.MAX_RESTARTS,
+    replicas: int = 1,
 ) -> Iterator[PolicyServer]:
     """Start the server on a free port and stop it (cleanly) on the way out. Its key is the
     user's LIGHTNING_API_KEY when set (external runners may share it), else a fresh one.
+    `replicas` > 1 serves the policy from that many backend processes (`serve --replicas`).
 
     A server that dies meanwhile (killed, out of memory) is started again on the same store
     file, port and key, up to `max_restarts` times; past that, leaving raises StoreUnavailable
@@ -99,6 +101,8 @@ def policy_server(
         options += ["--model", model]
     if vllm_url:
         options += ["--vllm-url", vllm_url]
+    if replicas != 1:
+        options += ["--replicas", str(replicas)]
     write_key_file(key_file, key)
     try:
         # The first start on a fresh machine converts the default model (about 20 s) and, for

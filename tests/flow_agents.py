@@ -13,18 +13,23 @@ from typing import Any
 import openai
 
 
-def agent(task: dict[str, Any], llm: Any) -> float:
+def _reply(task: dict[str, Any], llm: Any, max_tokens: int) -> str:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
     reply = client.chat.completions.create(
         model=llm.model,
         messages=[{"role": "user", "content": task["question"]}],
-        max_tokens=8,
+        max_tokens=max_tokens,
         temperature=llm.sampling.get("temperature", 1.0),
         seed=llm.sampling.get("seed"),
     )
+    return reply.choices[0].message.content or ""
+
+
+def agent(task: dict[str, Any], llm: Any) -> float:
+    reply = _reply(task, llm, max_tokens=8)
     if task.get("tier") == "constant":
         return 1.0
-    return float(len(reply.choices[0].message.content or "") % 2)
+    return float(len(reply) % 2)
 
 
 def load_tasks(split: str, size: int, source: str | None = None) -> list[dict[str, Any]]:
@@ -34,3 +39,18 @@ def load_tasks(split: str, size: int, source: str | None = None) -> list[dict[st
         for i, task in enumerate(tasks):
             task["tier"] = "constant" if i % 2 else "parity"
     return tasks
+
+
+# The bandit: one token per reply, reward 1 when it is TARGET. The test sets TARGET to a token
+# the untrained (scaled) tiny model samples now and then, so the reward has room to rise and
+# every group of rollouts of the same prompt carries a signal until it is learnt.
+BANDIT_QUESTION = "Pick a word."
+TARGET: str | None = None
+
+
+def bandit_agent(task: dict[str, Any], llm: Any) -> float:
+    return float(_reply(task, llm, max_tokens=1) == TARGET)
+
+
+def bandit_tasks(split: str, size: int, source: str | None = None) -> list[dict[str, Any]]:
+    return [{"id": f"{split}-{i}", "question": BANDIT_QUESTION} for i in range(size)]

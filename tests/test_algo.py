@@ -141,6 +141,43 @@ def test_stale_rollouts_are_importance_weighted():
     assert float(out.loss) == pytest.approx(-2.0 * math.exp(0.1))
 
 
+def test_truncated_importance_sampling_keeps_teaching_stale_tokens_and_caps_their_weight():
+    # Rollouts sampled one version ago: the current policy has moved these tokens to ratios
+    # e^0.5 = 1.65 (A > 0) and e^1.5 = 4.48 (A > 0), beyond PPO's clip range.
+    old = _t([[0.0, 0.0]])
+    mask = _t([[1, 1]])
+    adv = _t([[1.0, 1.0]])
+    plain = _t([[0.5, 1.5]]).requires_grad_()
+    policy_loss(plain, old, adv, mask, clip_high=0.28).loss.backward()
+    # Against the behaviour logprobs alone, both are clipped: no gradient, nothing learned.
+    assert torch.equal(plain.grad, torch.zeros_like(plain.grad))
+    tis = _t([[0.5, 1.5]]).requires_grad_()
+    out = policy_loss(tis, old, adv, mask, clip_high=0.28, tis_cap=2.0)
+    out.loss.backward()
+    # Clipped against the proximal policy (ratio 1: inside), weighted by the behaviour ratio,
+    # the second capped at 2: d/dlogp = -A * w / tokens.
+    expected = torch.tensor([[-math.exp(0.5) / 2, -2.0 / 2]], dtype=torch.float64)
+    assert torch.allclose(tis.grad, expected)
+    assert float(out.loss) == pytest.approx(-(math.exp(0.5) + 2.0) / 2)
+    assert out.clip_frac == 0.0 and out.truncated_frac == pytest.approx(0.5)
+    assert out.ratio_mean == pytest.approx((math.exp(0.5) + math.exp(1.5)) / 2)
+    assert out.ratio_max == pytest.approx(math.exp(1.5))
+
+
+def test_truncated_importance_sampling_on_fresh_rollouts_is_the_plain_policy_gradient():
+    logprobs = _t([[-1.0, -2.0], [-0.5, -0.5]])
+    adv = _t([[1.0, 1.0], [-2.0, -2.0]])
+    mask = _t([[1, 1], [1, 0]])
+    grads = []
+    for cap in (None, 2.0):
+        x = logprobs.clone().requires_grad_()
+        out = policy_loss(x, logprobs, adv, mask, tis_cap=cap)
+        out.loss.backward()
+        grads.append(x.grad)
+        assert out.truncated_frac == 0.0 and out.ratio_max == pytest.approx(1.0)
+    assert torch.allclose(grads[0], grads[1])
+
+
 def test_aggregations():
     per_token = _t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = _t([[1, 1, 1], [1, 0, 0]])

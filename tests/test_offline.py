@@ -292,6 +292,9 @@ TRAIN_KEYS = {
     "train/entropy",
     "train/grad_norm",
     "train/tokens_per_s",
+    "train/is_ratio_mean",
+    "train/is_ratio_max",
+    "train/is_truncated_frac",
 }
 
 

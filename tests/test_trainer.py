@@ -52,6 +52,9 @@ def test_a_step_changes_the_lora_weights_and_not_the_base():
         "train/entropy",
         "train/grad_norm",
         "train/tokens_per_s",
+        "train/is_ratio_mean",
+        "train/is_ratio_max",
+        "train/is_truncated_frac",
     }
     assert metrics["train/grad_norm"] > 0 and metrics["train/entropy"] > 0
     assert any(not torch.equal(lora[n], p) for n, p in trainer.lora_state().items())

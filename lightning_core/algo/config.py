@@ -46,6 +46,15 @@ class TrainerConfig(BaseModel):
         0.28, ge=0, description="PPO clip above 1; larger than clip_low is clip-higher (DAPO)."
     )
     aggregation: Aggregation = Field("token-mean", description="How token losses are averaged.")
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight each token by its ratio to the "
+        "behaviour policy that sampled it, capped here, and clip PPO's ratio against the policy "
+        "at the start of the update instead (losses.py). None: PPO-clip directly against the "
+        "behaviour logprobs, right for fresh rollouts. The train flow uses 2.0 when staleness "
+        "> 0 and this is not set.",
+    )
     kl_coef: float = Field(
         0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 to skip it."
     )

@@ -33,7 +33,7 @@ from lightning_core.errors import InvalidInput
 from lightning_core.types import Transition
 
 # The metrics' sums, all-reduced in this order.
-_SUMS = ("loss", "kl", "clip_frac", "entropy", "tokens", "all_tokens")
+_SUMS = ("loss", "kl", "clip_frac", "entropy", "tokens", "all_tokens", "is_ratio", "is_truncated")
 # Lines of the processes' output a failure reports.
 _TAIL_LINES = 40
 
@@ -152,6 +152,9 @@ def _update(
     seconds = torch.tensor([time.perf_counter() - started], device=trainer.device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     summed = dict(zip(_SUMS, totals.tolist(), strict=True))
+    largest = torch.tensor([sums["is_ratio_max"]], dtype=torch.float64, device=trainer.device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    summed["is_ratio_max"] = float(largest)
     return trainer.step_metrics(summed, grad_norm, float(seconds))
 
 

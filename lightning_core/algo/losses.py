@@ -3,6 +3,15 @@
 The importance ratio is taken against the logprobs recorded at rollout time, so stale rollouts
 (sampled by an older policy version) are corrected rather than trusted or thrown away. Clipping
 may be asymmetric (clip-higher: a larger upper bound keeps low-probability tokens learnable).
+
+With a truncation cap (`tis_cap`, truncated importance sampling as in TIS and decoupled PPO), the
+two roles of that ratio are split: PPO's clip is taken against the proximal policy, the weights
+at the start of the update, and each token's term is weighted by its ratio to the behaviour
+policy, proximal / behaviour, capped at `tis_cap` and not differentiated. Rollouts a version or
+two stale (concurrent rollouts and training) then still teach: against the behaviour logprobs
+alone, a token the last update moved outside the clip range gets no gradient at all. Every
+transition is trained in exactly one optimizer step, so the proximal logprobs are the current
+ones, detached: no second forward pass.
 An optional KL penalty to the reference policy uses the k3 estimator, exp(q - p) - (q - p) - 1,
 which is unbiased and never negative; the reference logprobs come from the same model with the
 LoRA adapter disabled, so no second copy of the model is needed.
@@ -33,6 +42,10 @@ class LossOutput:
     clip_frac: float
     kl: float
     ratio_mean: float
+    # The importance ratio to the behaviour policy (the current one over the recorded logprobs),
+    # over response tokens: its largest value, and the fraction of tokens tis_cap truncated.
+    ratio_max: float = 1.0
+    truncated_frac: float = 0.0
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
@@ -79,19 +92,41 @@ def policy_loss(
     aggregation: Aggregation = "token-mean",
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    tis_cap: float | None = None,
 ) -> LossOutput:
-    """PPO-clip loss over [batch, tokens] tensors; advantages broadcast per token."""
+    """PPO-clip loss over [batch, tokens] tensors; advantages broadcast per token. With
+    `tis_cap`, clipped against the proximal policy and weighted by the truncated ratio to the
+    behaviour policy (module doc)."""
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
+    behaviour_ratio = torch.exp(logprobs.detach() - old_logprobs)
+    if tis_cap is None:
+        ratio, weight = torch.exp(logprobs - old_logprobs), None
+    else:
+        ratio = torch.exp(logprobs - logprobs.detach())
+        weight = behaviour_ratio.clamp(max=tis_cap)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if weight is not None:
+        per_token = per_token * weight
     per_token, kl_value = _kl_penalty(per_token, logprobs, mask, ref_logprobs, kl_coef)
     with torch.no_grad():
+        tokens = mask.sum().clamp(min=1.0)
         was_clipped = (clipped > unclipped).to(mask.dtype)
-        clip_frac = float((was_clipped * mask).sum() / mask.sum().clamp(min=1.0))
-        ratio_mean = float((ratio * mask).sum() / mask.sum().clamp(min=1.0))
-    return LossOutput(aggregate(per_token, mask, aggregation), clip_frac, kl_value, ratio_mean)
+        clip_frac = float((was_clipped * mask).sum() / tokens)
+        ratio_mean = float((behaviour_ratio * mask).sum() / tokens)
+        ratio_max = float(torch.where(mask.bool(), behaviour_ratio, 0.0).max())
+        truncated = 0.0
+        if tis_cap is not None:
+            truncated = float(((behaviour_ratio > tis_cap).to(mask.dtype) * mask).sum() / tokens)
+    return LossOutput(
+        aggregate(per_token, mask, aggregation),
+        clip_frac,
+        kl_value,
+        ratio_mean,
+        ratio_max,
+        truncated,
+    )
 
 
 def likelihood_loss(

@@ -297,6 +297,7 @@ class LoRATrainer:
         per_token = c.aggregation == "token-mean"
         self.model.train()
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "tokens": 0.0}
+        sums |= {"is_ratio": 0.0, "is_truncated": 0.0, "is_ratio_max": 0.0}
         sums["all_tokens"] = float(
             sum(len(t.prompt_token_ids) + len(t.response_token_ids) for t in transitions)
         )
@@ -322,6 +323,7 @@ class LoRATrainer:
                     aggregation=c.aggregation,
                     ref_logprobs=ref,
                     kl_coef=c.kl_coef,
+                    tis_cap=c.tis_cap,
                 )
             batch_tokens = int(x["mask"].sum())
             weight = (batch_tokens if per_token else len(batch)) / total
@@ -331,6 +333,9 @@ class LoRATrainer:
             sums["clip_frac"] += out.clip_frac * batch_tokens
             sums["entropy"] += entropy_from_logits(logits, x["mask"]) * batch_tokens
             sums["tokens"] += batch_tokens
+            sums["is_ratio"] += out.ratio_mean * batch_tokens
+            sums["is_truncated"] += out.truncated_frac * batch_tokens
+            sums["is_ratio_max"] = max(sums["is_ratio_max"], out.ratio_max)
         return sums
 
     def apply_gradients(self) -> float:
@@ -351,6 +356,11 @@ class LoRATrainer:
             "train/entropy": sums["entropy"] / tokens,
             "train/grad_norm": grad_norm,
             "train/tokens_per_s": sums["all_tokens"] / seconds,
+            # The importance ratio to the behaviour policy at the start of the update: about 1
+            # on fresh rollouts, further from it the staler they are (and the ones tis_cap cut).
+            "train/is_ratio_mean": sums["is_ratio"] / tokens,
+            "train/is_ratio_max": sums["is_ratio_max"],
+            "train/is_truncated_frac": sums["is_truncated"] / tokens,
         }
 
     # ------------------------------------------------------------------ versions

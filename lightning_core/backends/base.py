@@ -72,6 +72,12 @@ class GenerationRequest(BaseModel):
     params: SamplingParams = Field(default_factory=SamplingParams)
     n: int = Field(1, ge=1, le=64, description="Independent completions of the same prompt.")
     adapter: str | None = Field(None, description="LoRA adapter name; None for the base model.")
+    affinity: str | None = Field(
+        None,
+        description="Routing hint: calls with the same key go to the same replica while it is "
+        "not much busier than the least-loaded one (backends/replicas.py), where their shared "
+        "prompt prefix is cached. Single backends ignore it.",
+    )
 
 
 class Choice(BaseModel):

@@ -231,7 +231,11 @@ class OpenAIAPI:
         )
         requests = [
             GenerationRequest(
-                prompt_token_ids=self._prompt_ids(p), params=params, n=req.n, adapter=adapter
+                prompt_token_ids=self._prompt_ids(p),
+                params=params,
+                n=req.n,
+                adapter=adapter,
+                affinity=gateway.affinity(ctx),
             )
             for p in req.prompts()
         ]

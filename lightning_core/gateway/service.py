@@ -20,6 +20,7 @@ picked by the agent name the call carries, and records that version on the call'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
@@ -44,7 +45,7 @@ from lightning_core.gateway.limits import CallLimits, CallSlot
 from lightning_core.gateway.protocol import model_object
 from lightning_core.gateway.spans import LLMCall, llm_call_span
 from lightning_core.store.base import SpanRecorder
-from lightning_core.types import episode_rollout_id
+from lightning_core.types import PolicyVersion, episode_rollout_id
 
 
 class GatewayConfig(BaseModel):
@@ -298,6 +299,32 @@ class Gateway:
                 await self.backend.load_adapter(model, version.adapter_path)
         return model
 
+    async def load_version(self, version: PolicyVersion) -> bool:
+        """Load a new policy version's adapter (on every replica) before the store registers
+        it, so that no call sees the version unloaded anywhere; True if this loaded it. One the
+        store has already is left as it is (the store refuses it again)."""
+        if version.adapter_path is None:
+            return False
+        if self.store is not None:
+            with contextlib.suppress(NotFound):
+                await self.store.get_policy_version(version.name)
+                return False
+        async with self._loading:
+            await self.backend.load_adapter(version.name, version.adapter_path)
+        return True
+
+    def published(self, version: PolicyVersion) -> None:
+        """Note a version the store has just registered: its adapter, loaded already, must not
+        hide its agents' own versions (adapter_for reads the map before the loaded adapters)."""
+        if version.agent_policies:
+            self._agent_policies[version.name] = dict(version.agent_policies)
+
+    @staticmethod
+    def affinity(ctx: CallContext) -> str | None:
+        """A call's routing key (GenerationRequest.affinity): its rollout, whose calls (a
+        retried attempt's too) share their prompt prefixes; or its production episode."""
+        return ctx.rollout_id or ctx.episode_id
+
     def episode_for(self, given: Any) -> str | None:
         """The episode a plain call is kept in: `given` (the header's or metadata's id, checked:
         InvalidInput for a bad one, whatever the capture), a new id when every call is
@@ -377,6 +404,7 @@ class Gateway:
             params=call.params,
             n=call.n,
             adapter=adapter,
+            affinity=self.affinity(ctx),
         )
         self.limits.check_size(len(request.prompt_token_ids), call.n, call.params.max_new_tokens)
         return request

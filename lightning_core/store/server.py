@@ -15,7 +15,7 @@ import hmac
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
 
 import orjson
@@ -165,6 +165,12 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
 
 
+# Wraps the adding of a policy version: entered before the store commits it, so that what
+# serves versions (the gateway) can get it ready first, and no request sees a version that
+# cannot be served; an error raised on entering refuses the version, and one raised inside
+# (the store refused it) reaches the wrapper, to undo what it did.
+Publishing = Callable[[PolicyVersion], AbstractAsyncContextManager[Any]]
+
 # Answers an error on a path in that API's own shape, or None for the store's shape.
 ErrorBody = Callable[[str, int, str, str], JSONResponse | None]
 
@@ -303,10 +309,12 @@ def create_store_app(
     error_body: ErrorBody | None = None,
     description: str = "The LightningStore: rollouts, spans, transitions, OTLP traces.",
     details: Callable[[], dict[str, Any]] | None = None,
+    publishing: Publishing | None = None,
 ) -> Any:
     """The FastAPI app serving `store` and any `routers` beside it, wrapped in the auth and
     size-limit middleware. `on_start` runs before the first request, `on_close` at shutdown,
-    before the store closes (when `close_store`); `details` adds to /health/details."""
+    before the store closes (when `close_store`); `details` adds to /health/details;
+    `publishing` wraps the adding of each policy version (see Publishing)."""
     started = time.monotonic()
 
     @asynccontextmanager
@@ -440,7 +448,11 @@ def create_store_app(
 
     @app.post("/store/policy-versions", response_model=PolicyVersion)
     async def add_policy_version(body: PolicyVersion) -> Response:
-        return _json((await store.add_policy_version(body)).model_dump(mode="json"))
+        if publishing is None:
+            return _json((await store.add_policy_version(body)).model_dump(mode="json"))
+        async with publishing(body):
+            added = await store.add_policy_version(body)
+        return _json(added.model_dump(mode="json"))
 
     @app.get("/store/policy-versions", response_model=list[PolicyVersion])
     async def list_policy_versions() -> Response:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from lightning_core.errors import LightningError
+from lightning_core.errors import BackendUnavailable
 
 
-class VLLMUnavailable(LightningError):
+class VLLMUnavailable(BackendUnavailable):
     """The vLLM server cannot be started or reached, or it failed a request."""
 
     status_code = 503

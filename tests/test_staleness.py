@@ -1,0 +1,240 @@
+"""Concurrent rollouts and training (TrainConfig.staleness, flows/pipeline.py).
+
+The producer's bound and hand-over in plain Python; then, in a real Prefect run with a tiny
+model, a real policy server and MLflow on SQLite, that with staleness=1 iteration k+1's
+rollouts run while iteration k trains (the spans' policy versions and times, and the training
+interval from the run's progress file and the store's publish times), and that the run still
+learns: the toy bandit's reward rises.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import duckdb
+import pytest
+import torch
+from mlflow import MlflowClient
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_core.algo.trainer import LoRATrainer
+from lightning_core.collect import Collected
+from lightning_core.gateway.chat import encode, render_chat
+from lightning_core.types import Transition
+from lightning_rl.flows import pipeline
+from lightning_rl.flows.config import TrainConfig
+from lightning_rl.registry.config import RegistryConfig
+from tests import flow_agents
+from tests.models import scaled_tiny_model
+
+
+def _batch(policy: str) -> pipeline.Batch:
+    return pipeline.Batch(Collected(), {}, {}, policy, time.time(), time.time())
+
+
+def _producer(staleness: int, last: int = 4, fail_at: int | None = None):
+    sampled: list[tuple[int, str]] = []
+    started = {j: threading.Event() for j in range(1, last + 1)}
+
+    def collect(j: int, policy: str) -> pipeline.Batch:
+        started[j].set()
+        if j == fail_at:
+            raise RuntimeError(f"rollouts of {j} failed")
+        sampled.append((j, policy))
+        return _batch(policy)
+
+    ahead = pipeline.RolloutsAhead("r", collect, 1, last, "base", staleness)
+    return ahead, sampled, started
+
+
+def test_with_staleness_1_the_next_batch_is_sampled_before_the_update_and_then_waits():
+    ahead, sampled, started = _producer(staleness=1)
+    with ahead:
+        assert started[2].wait(5)  # batch 2 did not wait for version 1
+        batch, _ = ahead.take(1)
+        assert batch.policy == "base"
+        # Batch 3 needs version 1 (at most 1 behind version 2, which iteration 3 trains).
+        assert not started[3].wait(0.3)
+        ahead.published(1, "r-v1")
+        assert started[3].wait(5)
+        assert not started[4].wait(0.3)
+        ahead.published(2, "r-v2")
+        assert ahead.take(4)[0].policy == "r-v2"
+    assert sampled == [(1, "base"), (2, "base"), (3, "r-v1"), (4, "r-v2")]
+    assert pipeline.running("r") is None
+
+
+def test_with_staleness_0_each_batch_waits_for_the_previous_version():
+    ahead, _, started = _producer(staleness=0, last=2)
+    with ahead:
+        assert ahead.take(1)[0].policy == "base"
+        assert not started[2].wait(0.3)
+        ahead.published(1, "r-v1")
+        assert ahead.take(2)[0].policy == "r-v1"
+
+
+def test_a_failed_batch_fails_its_iteration_and_the_later_ones():
+    ahead, _, _ = _producer(staleness=2, fail_at=2)
+    with ahead:
+        assert ahead.take(1)[0].policy == "base"
+        for j in (2, 3):
+            with pytest.raises(RuntimeError, match="rollouts of 2 failed"):
+                ahead.take(j)
+
+
+def test_a_stopped_run_stops_its_producer_at_the_bound():
+    ahead, sampled, _ = _producer(staleness=0, last=3)
+    with ahead:
+        ahead.take(1)
+    assert not ahead._thread.is_alive() and sampled == [(1, "base")]
+
+
+def test_staleness_is_counted_in_versions_behind_the_trained_policy():
+    def t(version: str | None) -> Transition:
+        return Transition(
+            rollout_id="ro",
+            step=0,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-1.0],
+            reward=1.0,
+            advantage=1.0,
+            policy_version=version,
+        )
+
+    assert pipeline.version_index("run-v3", "run") == 3
+    assert pipeline.version_index("run-v3-writer", "run") == 3
+    assert pipeline.version_index("base-model", "run") == 0
+    assert pipeline.version_index("other-v3", "run") == 0
+    found = pipeline.staleness_metrics(
+        Collected(transitions=[t("run-v1"), t("run-v2"), t("run-v2")]), 2, "run"
+    )
+    assert found == {"train/staleness_mean": pytest.approx(1 / 3), "train/staleness_max": 1.0}
+
+
+def test_staleness_turns_truncated_importance_sampling_on_unless_set():
+    assert TrainConfig().trainer.tis_cap is None
+    assert TrainConfig(staleness=1).trainer.tis_cap == 2.0
+    assert TrainConfig(staleness=1, trainer={"tis_cap": 5.0}).trainer.tis_cap == 5.0
+    with pytest.raises(ValueError, match="staleness=0"):
+        TrainConfig(staleness=1, data="episodes", episodes_from="http://127.0.0.1:1")
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def _bandit_target(model_dir) -> str:
+    """The likeliest one-token reply the untrained model gives with p between 5 % and 35 %:
+    the reward starts low and has room to rise."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    question = [{"role": "user", "content": flow_agents.BANDIT_QUESTION}]
+    prompt = encode(tokenizer, render_chat(tokenizer, question))
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+    top = torch.topk(probs, 20)
+    texts = [tokenizer.decode([i], skip_special_tokens=True) for i in top.indices.tolist()]
+    for p, text in zip(top.values.tolist(), texts, strict=True):
+        if 0.05 <= p <= 0.35 and text.strip() and texts.count(text) == 1:
+            return text
+    raise AssertionError(f"no token to target among {texts} ({top.values.tolist()})")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_learns(
+    tmp_path, monkeypatch
+):
+    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    from lightning_rl.flows.train import train
+
+    # The tiny model's update takes milliseconds, less than starting a subflow run: slowed to
+    # the seconds a real model's takes, so that there is a training interval to overlap.
+    step = LoRATrainer.step
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(4)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(LoRATrainer, "step", slow_step)
+    model = scaled_tiny_model(tmp_path / "sharp", 20)
+    monkeypatch.setattr(flow_agents, "TARGET", _bandit_target(model))
+    registry = RegistryConfig(
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        registered_model="staleness-test",
+        promotion_threshold=0.0,
+    )
+    iterations = 8
+    with prefect_test_harness(server_startup_timeout=120):
+        summary = train(
+            agent="tests.flow_agents:bandit_agent",
+            tasks="tests.flow_agents:bandit_tasks",
+            model=str(model),
+            iterations=iterations,
+            tasks_per_iteration=8,
+            group_size=8,
+            temperature=1.0,
+            eval_size=4,
+            eval_every=iterations,
+            rollout_workers=2,
+            rollout_concurrency=8,
+            staleness=1,
+            trainer={"learning_rate": 1e-2, "lora": {"rank": 8, "alpha": 32}},
+            run_dir=str(tmp_path / "runs"),
+            run_name="st",
+            registry=registry,
+        )
+        with get_client(sync_client=True) as client:
+            flow_runs = client.read_flow_runs()
+    # Each batch was a subflow run of the train run, like the iterations.
+    parent = next(r for r in flow_runs if r.name == "st")
+    names = {r.name: r for r in flow_runs}
+    for k in range(1, iterations + 1):
+        for child in (names[f"rollouts-{k}"], names[f"iteration-{k}"]):
+            assert child.state.is_completed() and child.parent_task_run_id is not None
+            assert child.id != parent.id
+    run = tmp_path / "runs" / "st"
+    checkpoint = json.loads((run / "checkpoint.json").read_text())
+    history = {int(m["iteration"]): m for m in checkpoint["history"]}
+    events = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+    trains = {e["iteration"]: e["time"] for e in events if e["stage"] == "training"}
+    with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
+        published = dict(con.execute("SELECT name, created_at FROM policy_versions").fetchall())
+        calls = con.execute(
+            "SELECT r.group_id, t.policy_version, s.start_time, s.end_time FROM transitions t "
+            "JOIN rollouts r USING (rollout_id) JOIN spans s USING (rollout_id) "
+            "WHERE s.name LIKE 'chat %' AND r.mode = 'train'"
+        ).fetchall()
+    by_iteration: dict[int, list[tuple[str, float, float]]] = {}
+    for group, version, start, end in calls:
+        it = int(group.split("-it")[1].split("-")[0])
+        by_iteration.setdefault(it, []).append((version, start, end))
+    rewards = [history[k]["rollout/reward_mean"] for k in range(1, iterations + 1)]
+    print("bandit reward per iteration (staleness 1):", [round(r, 2) for r in rewards])
+    overlapped = []
+    for k in range(1, iterations):
+        # Iteration k trained from its first "training" event until it published v<k>.
+        train_start, train_end = trains[k], published[f"st-v{k}"]
+        behind = f"st-v{k - 1}" if k > 1 else summary["base"]["policy_version"]
+        nxt = by_iteration[k + 1]
+        # Iteration k+1's rollouts were sampled by v<k-1>: one version behind v<k>, which
+        # iteration k+1 trained from; and some of its calls ran while iteration k trained.
+        assert {v for v, *_ in nxt} == {behind}, (k, {v for v, *_ in nxt})
+        first = min(s for _, s, _ in nxt) - train_start
+        print(f"iteration {k}: trained {train_end - train_start:.1f} s, next calls {first:+.1f} s")
+        if history[k]["train/transitions"]:  # an iteration whose groups all agree trains nothing
+            overlapped.append(k)
+            assert any(s < train_end and e > train_start for _, s, e in nxt), k
+        assert history[k + 1]["train/staleness_max"] == 1.0
+    assert history[1]["train/staleness_max"] == 0.0
+    assert len(overlapped) >= 4, overlapped
+    # It learns: the last iterations' reward well above the first ones'.
+    assert sum(rewards[-2:]) / 2 >= sum(rewards[:2]) / 2 + 0.3, rewards
+    assert any(history[k]["train/is_ratio_max"] > 1.0 for k in range(2, iterations + 1))
+    client = MlflowClient(registry.tracking_uri)
+    logged = client.get_metric_history(summary["mlflow_run_id"], "train/staleness_mean")
+    assert sorted(m.step for m in logged) == list(range(1, iterations + 1))
