@@ -165,6 +165,16 @@ def _policy_agents(config: TrainConfig, agent: AgentProfile) -> list[str] | None
     return list(names)
 
 
+def _server_env(config: TrainConfig) -> dict[str, str]:
+    """With rollouts overlapping training on CPU, the policy server's OpenMP threads wait
+    passively: spinning, they burn the cores the trainer (another process) needs while they
+    wait for a sibling it pushed off a core, and both sides crawl (BENCHMARKS.md, issue 15)."""
+    overlapping = config.staleness and config.backend == "transformers"
+    if overlapping and "OMP_WAIT_POLICY" not in os.environ:
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {}
+
+
 class RunContext(BaseModel):
     """What every iteration of a run needs to know beside its config: plain names and paths."""
 
@@ -732,6 +742,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             tool_format=agent.tool_format,
             vllm_url=config.vllm_url,
             replicas=config.replicas,
+            env=_server_env(config),
         ) as server,
         tracking(
             registry_config,

@@ -85,10 +85,12 @@ def policy_server(
     start_timeout_s: float = 900.0,
     max_restarts: int = serving.MAX_RESTARTS,
     replicas: int = 1,
+    env: dict[str, str] | None = None,
 ) -> Iterator[PolicyServer]:
     """Start the server on a free port and stop it (cleanly) on the way out. Its key is the
     user's LIGHTNING_API_KEY when set (external runners may share it), else a fresh one.
     `replicas` > 1 serves the policy from that many backend processes (`serve --replicas`).
+    `env` adds to the server's environment (this process's, which it inherits).
 
     A server that dies meanwhile (killed, out of memory) is started again on the same store
     file, port and key, up to `max_restarts` times; past that, leaving raises StoreUnavailable
@@ -114,7 +116,7 @@ def policy_server(
                 *options,
                 timeout=start_timeout_s,
                 preexec_fn=serving.die_with_parent,
-                env={**os.environ, "LIGHTNING_API_KEY": key},
+                env={**os.environ, **(env or {}), "LIGHTNING_API_KEY": key},
             ),
             max_restarts,
         )
