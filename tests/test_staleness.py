@@ -10,6 +10,7 @@ learns: the toy bandit's reward rises.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -238,3 +239,33 @@ def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_lear
     client = MlflowClient(registry.tracking_uri)
     logged = client.get_metric_history(summary["mlflow_run_id"], "train/staleness_mean")
     assert sorted(m.step for m in logged) == list(range(1, iterations + 1))
+
+
+@pytest.mark.parametrize(
+    ("argv", "passive"),
+    [
+        (["train", "--agent", "calc"], False),
+        (["train", "--staleness", "0"], False),
+        (["train", "--staleness", "1"], True),
+        (["train", "--staleness=2", "--backend", "transformers"], True),
+        (["train", "--staleness", "1", "--backend", "vllm"], False),
+        (["eval", "--staleness", "1"], False),
+    ],
+)
+def test_overlapping_on_cpu_makes_openmp_wait_passively_before_torch_loads(
+    argv, passive, monkeypatch
+):
+    from lightning_rl.flows.cli import _passive_openmp
+    from lightning_rl.flows.train import _server_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    _passive_openmp(argv)
+    assert (os.environ.get("OMP_WAIT_POLICY") == "PASSIVE") is passive
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    server = _server_env(TrainConfig(staleness=1))
+    assert server == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert _server_env(TrainConfig()) == {} == _server_env(TrainConfig(staleness=1, backend="vllm"))
+    # A user's own setting wins.
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _passive_openmp(["train", "--staleness", "1"])
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and _server_env(TrainConfig(staleness=1)) == {}
