@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu clean
+.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,11 @@ bench-train: setup
 # GPU readiness (needs torch, transformers, peft and a CUDA card; no network): the transformers
 # backend's decoding at 1/8/64 requests and a bf16 LoRA step on a random Qwen2.5-1.5B-shaped
 # model, tokens/s and MFU, under 5 minutes. CI runs `python benchmarks/gpu_check.py --dry-run`.
+# The calc demo with rollouts and training one after the other, then overlapped (staleness 0
+# and 1, ~50 min in all on 2 cores): wall time, held-out gains, overlap_speedup.
+bench-overlap: setup
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python benchmarks/overlap.py --train
+
 bench-gpu: setup
 	$(BIN)/python benchmarks/gpu_check.py
 
