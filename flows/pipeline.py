@@ -148,8 +148,10 @@ class RolloutsAhead:
         slot.done.wait()
         if slot.error is not None:
             raise slot.error
-        assert slot.batch is not None
-        return slot.batch, time.monotonic() - waited
+        batch, slot.batch = slot.batch, None  # taken once: the pipeline keeps no old batches
+        if batch is None:
+            raise RuntimeError(f"the rollouts of iteration {iteration} were taken already")
+        return batch, time.monotonic() - waited
 
     def published(self, iteration: int, policy: str) -> None:
         """Iteration k's policy is published: batches the bound held back may start."""

@@ -15,6 +15,10 @@ evaluation, then MLflow registration with a gated promotion.
       checkpoint the run folder's checkpoint.json: where a resumed run continues
     register   MLflow model version (challenger); champion only if it beats the champion
 
+With staleness > 0 the rollouts leave the iteration subflows: a producer thread runs them as
+subflow runs `rollouts-<k>` on the newest published policy, up to `staleness` versions ahead of
+training, and each iteration trains on its batch (flows/pipeline.py).
+
 A run started again with the name of a run folder that has a checkpoint (`lightning-rl train
 --resume <run>`, or a deployment run with the same run_name) continues after the last finished
 iteration, in the same folder and the same MLflow run (flows/run_state.py).

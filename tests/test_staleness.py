@@ -64,6 +64,8 @@ def test_with_staleness_1_the_next_batch_is_sampled_before_the_update_and_then_w
         ahead.published(2, "r-v2")
         assert ahead.take(4)[0].policy == "r-v2"
     assert sampled == [(1, "base"), (2, "base"), (3, "r-v1"), (4, "r-v2")]
+    with pytest.raises(RuntimeError, match="taken already"):
+        ahead.take(4)
     assert pipeline.running("r") is None
 
 
