@@ -204,6 +204,8 @@ def ray_head():
         head.send_signal(signal.SIGINT)
         try:
             head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass  # a loaded machine: its session is killed below
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(head.pid, signal.SIGKILL)
