@@ -227,11 +227,14 @@ def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_lear
         behind = f"st-v{k - 1}" if k > 1 else summary["base"]["policy_version"]
         nxt = by_iteration[k + 1]
         # Iteration k+1's rollouts were sampled by v<k-1>, one version behind v<k>, which
-        # iteration k+1 trained from, and they started before v<k> existed: they did not wait
-        # for iteration k (at staleness 0 they could only start after it).
+        # iteration k+1 trained from. The producer takes the newest published policy, so it
+        # chose theirs before v<k> existed: they did not wait for iteration k (at staleness 0
+        # they could only start after it). When their first call went out also depends on
+        # how long a subflow takes to start on a busy machine, which can outlast an update,
+        # so the overlap in time is asserted below over the run, not for each iteration.
         assert {v for v, *_ in nxt} == {behind}, (k, {v for v, *_ in nxt})
         first = min(s for _, s, _ in nxt)
-        assert made_from <= first < train_end, (k, made_from, first, train_end)
+        assert made_from <= first, (k, made_from, first)
         print(
             f"iteration {k}: trained {train_end - train_start:.1f} s, next calls at "
             f"{first - train_start:+.1f} s"
