@@ -24,6 +24,7 @@ from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.collect import CreditConfig
 from lightning_core.curriculum import CurriculumConfig
 from lightning_core.offline import OfflineConfig
+from lightning_rl.flows.run_state import DEFAULT_RUN_DIR
 from lightning_rl.registry.config import RegistryConfig
 
 DataSource = Literal["profile", "new_tasks", "episodes"]
@@ -103,7 +104,9 @@ class TrainConfig(BaseModel):
     )
     vllm_url: str | None = Field(None, description="With vllm: attach to this server.")
     host: str = Field("127.0.0.1", description="Address the policy server binds.")
-    run_dir: str = Field("runs", description="Folder of run folders (store, adapters, exports).")
+    run_dir: str = Field(
+        DEFAULT_RUN_DIR, description="Folder of run folders (store, adapters, exports)."
+    )
     run_name: str | None = Field(
         None, description="Run folder and policy version prefix; None: '<agent>-<timestamp>'."
     )

@@ -25,6 +25,8 @@ from lightning_core.files import write_text_atomically
 
 CHECKPOINT_FILE = "checkpoint.json"
 CONFIG_FILE = "config.json"
+# TrainConfig.run_dir's default, here so that the CLI can find a run before torch loads.
+DEFAULT_RUN_DIR = "runs"
 # Settings a resumed run may change: more iterations extend a finished or stopped run.
 RESUMABLE_CHANGES = frozenset({"iterations"})
 

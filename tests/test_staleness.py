@@ -284,3 +284,34 @@ def test_overlapping_on_cpu_makes_openmp_wait_passively_before_torch_loads(
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     _passive_openmp(["train", "--staleness", "1"])
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and _server_env(TrainConfig(staleness=1)) == {}
+
+
+@pytest.mark.parametrize(
+    ("extra", "passive"),
+    [
+        ([], True),
+        (["--staleness", "0"], False),  # the flag wins over the file
+        (["--preset", "gpu"], False),  # vLLM: the file keeps the preset's backend
+        (["--preset", "gpu", "--backend", "transformers"], True),
+        (["--resume", "old"], True),
+    ],
+)
+def test_a_staleness_from_the_config_file_or_the_resumed_run_also_makes_openmp_passive(
+    tmp_path, monkeypatch, extra, passive
+):
+    from lightning_rl.flows.cli import _passive_openmp
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    config = tmp_path / "overlap.json"
+    config.write_text(json.dumps({"staleness": 2, "run_dir": str(tmp_path / "runs")}))
+    _passive_openmp(["train", "--config", str(config), *extra])
+    assert (os.environ.get("OMP_WAIT_POLICY") == "PASSIVE") is passive
+    # A resumed run keeps its own staleness; an unreadable --config is left to the command.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    old = tmp_path / "runs" / "old"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text(json.dumps({"staleness": 1}))
+    _passive_openmp(["train", "--resume", "old", "--run-dir", str(tmp_path / "runs")])
+    assert os.environ.pop("OMP_WAIT_POLICY") == "PASSIVE"
+    _passive_openmp(["train", "--config", str(tmp_path / "missing.json")])
+    assert "OMP_WAIT_POLICY" not in os.environ
