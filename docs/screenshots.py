@@ -66,6 +66,12 @@ class DemoRun:
     report_key: str
     report_id: str
     run_dir: Path
+    staleness: int = 0  # above 0, each iteration's rollouts are a subflow of their own too
+
+    def subflows(self) -> list[str]:
+        """The subflow runs the run page lists: iteration-k and, with staleness, rollouts-k."""
+        kinds = ["iteration", "rollouts"] if self.staleness else ["iteration"]
+        return [f"{kind}-{k}" for k in range(1, self.iterations + 1) for kind in kinds]
 
 
 def free_port() -> int:
@@ -138,10 +144,13 @@ def train_demo(
     *,
     iterations: int = 3,
     run_name: str = "ui-demo",
+    staleness: int = 0,
     timeout: float = 600,
 ) -> DemoRun:
     """Train the tiny model on the flow test agent through `lightning-rl train`, reporting to
-    the Prefect server at `ui`, MLflow in workdir/mlflow.db; returns where the run is shown."""
+    the Prefect server at `ui`, MLflow in workdir/mlflow.db; returns where the run is shown.
+    With a staleness, each iteration's rollouts are sampled ahead, in a subflow run of their
+    own (flows/pipeline.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cli = Path(sys.executable).with_name("lightning-rl")
     command = [
@@ -168,6 +177,8 @@ def train_demo(
         str(workdir / "runs"),
         "--run-name",
         run_name,
+        "--staleness",
+        str(staleness),
     ]
     env = {
         **os.environ,
@@ -198,6 +209,7 @@ def train_demo(
         report_key=report["key"],
         report_id=report["id"],
         run_dir=workdir / "runs" / run_name,
+        staleness=staleness,
     )
 
 
@@ -267,11 +279,12 @@ def report_url(run: DemoRun) -> str:
 
 def show_subflows(page: Any, run: DemoRun) -> list[str]:
     """Open the run page on its Subflow Runs tab; wait until `iteration-1` … `iteration-N`
-    are rows there (AssertionError if not) and return their names."""
+    (and `rollouts-1` … `rollouts-N` with staleness) are rows there (AssertionError if not)
+    and return their names."""
     from playwright.sync_api import expect
 
     page.goto(run_page_url(run, "SubflowRuns"))
-    names = [f"iteration-{k}" for k in range(1, run.iterations + 1)]
+    names = run.subflows()
     for name in names:
         expect(page.get_by_text(name, exact=True), f"subflow row {name}").to_be_visible(
             timeout=UI_TIMEOUT_MS

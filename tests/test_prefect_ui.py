@@ -51,9 +51,12 @@ def _require_browser() -> None:
 
 
 def test_the_prefect_ui_shows_the_iterations_the_logs_and_the_reward_curve(tmp_path):
+    """At staleness 1 (rollouts sampled ahead of training), whose run page lists each
+    iteration's rollouts as a subflow run of its own beside the iteration's; `make
+    screenshots` takes the same pages at staleness 0."""
     _require_browser()
     with shots.prefect_server(tmp_path / "prefect-home") as ui:
-        run = shots.train_demo(ui, tmp_path / "train", iterations=ITERATIONS)
+        run = shots.train_demo(ui, tmp_path / "train", iterations=ITERATIONS, staleness=1)
         with shots.browser() as page:
             try:
                 subflows = shots.show_subflows(page, run)
@@ -63,7 +66,9 @@ def test_the_prefect_ui_shows_the_iterations_the_logs_and_the_reward_curve(tmp_p
                 # What the browser showed instead, for whoever reads the failure.
                 page.screenshot(path=tmp_path / "failure.png")
                 raise AssertionError(f"{exc}\n(the page: {tmp_path / 'failure.png'})") from exc
-    assert subflows == [f"iteration-{k}" for k in range(1, ITERATIONS + 1)]
+    assert subflows == [
+        f"{kind}-{k}" for k in range(1, ITERATIONS + 1) for kind in ("iteration", "rollouts")
+    ]
     assert any(f"run {run.run_name} in " in row for row in logs), logs
     assert any("held-out after iteration" in row for row in logs), logs
     assert curve["width"] > 0 and curve["height"] > 0, f"the reward curve did not render: {curve}"
