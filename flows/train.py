@@ -254,7 +254,9 @@ def _rollout_rounds(
         )
         if not chosen:
             break
-        rollout_ids = plan_rollouts(
+        # Async tasks, submitted: their timeouts can cancel them, also on the producer's
+        # thread (staleness > 0), where a sync task's timeout cannot interrupt it.
+        rollout_ids = plan_rollouts.submit(
             run.server_url,
             chosen,
             config.group_size,
@@ -266,7 +268,7 @@ def _rollout_rounds(
             iteration=it,
             first_index=len(drawn) * config.group_size,
             key_file=run.key_file,
-        )
+        ).result()
         drawn += chosen
         _fan_out(
             config,
@@ -282,9 +284,9 @@ def _rollout_rounds(
                 "key_file": unmapped(run.key_file),
             },
         )
-        collected = collect_transitions(
+        collected = collect_transitions.submit(
             run.server_url, rollout_ids, adapter, credit, key_file=run.key_file
-        )
+        ).result()
         merged.transitions += collected.transitions
         merged.facts |= collected.facts
         task_of = {r: str(f.task_id) for r, f in collected.facts.items()}

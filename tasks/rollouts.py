@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +53,7 @@ def rollout_seed(seed: int, iteration: int, index: int) -> int:
     timeout_seconds=120,
     cache_policy=NO_CACHE,
 )
-def plan_rollouts(
+async def plan_rollouts(
     server_url: str,
     tasks: Sequence[dict[str, Any]],
     group_size: int,
@@ -91,11 +90,8 @@ def plan_rollouts(
         for k, t in enumerate(t for t in tasks for _ in range(group_size))
     ]
 
-    async def enqueue() -> list[str]:
-        async with store_client(server_url, key_file) as store:
-            return [r.rollout_id for r in await store.enqueue_rollouts(requests)]
-
-    return asyncio.run(enqueue())
+    async with store_client(server_url, key_file) as store:
+        return [r.rollout_id for r in await store.enqueue_rollouts(requests)]
 
 
 @task(
@@ -144,7 +140,7 @@ async def run_rollouts(
     timeout_seconds=600,
     cache_policy=NO_CACHE,
 )
-def collect_transitions(
+async def collect_transitions(
     server_url: str,
     rollout_ids: list[str],
     adapter: AdapterConfig,
@@ -152,14 +148,10 @@ def collect_transitions(
     key_file: str | None = None,
 ) -> Collected:
     """Spans to transitions with LightningRL credit and group advantages, stored back."""
-
-    async def gather() -> Collected:
-        async with store_client(server_url, key_file) as store:
-            rollouts = await store.query_rollouts(rollout_ids=rollout_ids)
-            spans = await store.query_spans(rollout_ids, "latest")
-            collected = collect(rollouts, spans, adapter, credit)
-            if collected.transitions:
-                await store.add_transitions(collected.transitions)
-            return collected
-
-    return asyncio.run(gather())
+    async with store_client(server_url, key_file) as store:
+        rollouts = await store.query_rollouts(rollout_ids=rollout_ids)
+        spans = await store.query_spans(rollout_ids, "latest")
+        collected = collect(rollouts, spans, adapter, credit)
+        if collected.transitions:
+            await store.add_transitions(collected.transitions)
+        return collected

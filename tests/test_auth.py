@@ -352,8 +352,10 @@ def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_p
             assert anonymous.post("/v1/traces", json={"resourceSpans": []}).status_code == 401
 
         tasks = [{"id": i, "question": f"Say {i}.", "reward": i % 2} for i in range(3)]
-        ids = plan_rollouts.fn(
-            server.url, tasks, 2, server.base_model, "g", {}, 1, key_file=server.key_file
+        ids = asyncio.run(
+            plan_rollouts.fn(
+                server.url, tasks, 2, server.base_model, "g", {}, 1, key_file=server.key_file
+            )
         )
         stats = asyncio.run(
             run_rollouts.fn(
@@ -368,8 +370,10 @@ def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_p
             )
         )
         assert stats == {"succeeded": len(ids), "failed": 0}
-        collected = collect_transitions.fn(
-            server.url, ids, AdapterConfig(), CreditConfig(), key_file=server.key_file
+        collected = asyncio.run(
+            collect_transitions.fn(
+                server.url, ids, AdapterConfig(), CreditConfig(), key_file=server.key_file
+            )
         )
         assert len(collected.transitions) == len(ids)  # one per LLM call, from gateway spans
 
