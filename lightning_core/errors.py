@@ -99,6 +99,12 @@ ERRORS_BY_NAME: dict[str, type[LightningError]] = {
 }
 
 
+def error_body(kind: str, message: str) -> dict[str, dict[str, str]]:
+    """The body the project's own servers (the store, a replica) answer an error with; the
+    client side reads it back with `error_from_answer`."""
+    return {"error": {"type": kind, "message": message}}
+
+
 def error_from_answer(
     status: int,
     payload: bytes,

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from lightning_core import semconv
 from lightning_core.errors import InvalidInput, StoreUnavailable, error_from_answer
+from lightning_core.keys import bearer_header
 from lightning_core.types import FeedbackIn, FeedbackReceipt, episode_rollout_id
 
 __all__ = ["episode_headers", "send_feedback"]
@@ -58,7 +59,7 @@ def send_feedback(
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise InvalidInput(f"feedback for episode {episode_id!r} not sent: {problems}") from None
     key = api_key if api_key is not None else os.environ.get("LIGHTNING_API_KEY")
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers = bearer_header(key)
     url = f"{server_url.rstrip('/')}/episodes/{quote(episode_id, safe='')}/feedback"
     try:
         response = httpx.post(

@@ -34,6 +34,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from lightning_core import semconv
 from lightning_core.errors import InvalidInput, LightningError
+from lightning_core.keys import bearer_header
 from lightning_core.types import Span
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def setup_tracing(
     if server_url is not None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        headers = bearer_header(api_key) or None
         exporter: SpanExporter = OTLPSpanExporter(
             endpoint=f"{server_url.rstrip('/')}/v1/traces", headers=headers
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lightning_core import serving
 from lightning_core.errors import StoreUnavailable
+from lightning_core.keys import bearer_header
 from lightning_core.store.client import HttpStoreClient
 
 
@@ -122,9 +123,7 @@ def policy_server(
         )
         try:
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-            models = urllib.request.Request(
-                f"{url}/v1/models", headers={"authorization": f"Bearer {key}"}
-            )
+            models = urllib.request.Request(f"{url}/v1/models", headers=bearer_header(key))
             with urllib.request.urlopen(models, timeout=30) as response:
                 base_model = json.load(response)["data"][0]["id"]
             yield PolicyServer(

@@ -37,6 +37,7 @@ from lightning_core.errors import (
     error_from_answer,
     error_from_body,
 )
+from lightning_core.keys import bearer_header
 
 # Idle connections are dropped before the replica's keep-alive (remote_server.KEEPALIVE_S) runs
 # out: reusing one the server is closing fails with "Server disconnected".
@@ -58,7 +59,7 @@ class RemoteBackend:
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
         self.process = process
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = bearer_header(api_key)
         # Silence longer than this on one request (a stuck replica) counts as unreachable.
         self._timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S, pool=None)
         self._client: httpx.AsyncClient | None = None

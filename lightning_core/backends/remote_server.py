@@ -19,7 +19,6 @@ error's status; an error after a stream started comes as its last line, `{"error
 
 from __future__ import annotations
 
-import hmac
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,7 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from lightning_core.backends.base import Backend, GenerationRequest, StreamDelta
-from lightning_core.errors import LightningError, Unauthorized
+from lightning_core.errors import LightningError, Unauthorized, error_body
+from lightning_core.keys import key_matches
 
 KEY_ENV = "LIGHTNING_REPLICA_KEY"
 # Longer than the client keeps idle connections (remote.KEEPALIVE_S), as in `serve`.
@@ -42,18 +42,16 @@ class AdapterBody(BaseModel):
     path: str
 
 
-def error_body(exc: LightningError) -> dict[str, Any]:
-    return {"error": {"type": type(exc).__name__, "message": str(exc)}}
+def _body(exc: LightningError) -> dict[str, Any]:
+    return error_body(type(exc).__name__, str(exc))
 
 
 def create_replica_app(backend: Backend, api_key: str | None = None) -> FastAPI:
     """The HTTP app serving `backend`; closing the app closes the backend."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
     counts = {"calls": 0, "in_flight": 0}
 
     def authorized(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if expected is not None and not hmac.compare_digest(given, expected):
+        if not key_matches(request.headers.get("authorization", "").encode(), api_key):
             raise Unauthorized("missing or wrong replica key (LIGHTNING_REPLICA_KEY)")
 
     @asynccontextmanager
@@ -66,7 +64,7 @@ def create_replica_app(backend: Backend, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(LightningError)
     async def lightning_error(_: Request, exc: LightningError) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.status_code, headers=exc.headers())
+        return JSONResponse(_body(exc), status_code=exc.status_code, headers=exc.headers())
 
     @app.post("/generate", dependencies=keyed)
     async def generate(body: GenerationRequest) -> Response:
@@ -123,7 +121,7 @@ async def _lines(
         async for delta in deltas:
             yield orjson.dumps(delta.model_dump()) + b"\n"
     except LightningError as exc:
-        yield orjson.dumps(error_body(exc)) + b"\n"
+        yield orjson.dumps(_body(exc)) + b"\n"
     finally:
         counts["in_flight"] -= 1
         close = getattr(deltas, "aclose", None)

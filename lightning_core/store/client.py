@@ -32,6 +32,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import LightningError, StoreUnavailable, error_from_answer
+from lightning_core.keys import bearer_header
 from lightning_core.store.base import AttemptSelector
 from lightning_core.types import (
     Attempt,
@@ -141,9 +142,7 @@ class HttpStoreClient:
         key = api_key if api_key is not None else os.environ.get("LIGHTNING_API_KEY")
         # Public: a Runner on this client hands the same key to its agents and its OTLP exporter.
         self.api_key = key or None
-        self._headers = {"content-type": "application/json"}
-        if key:
-            self._headers["authorization"] = f"Bearer {key}"
+        self._headers = {"content-type": "application/json", **bearer_header(key)}
         self._timeout = timeout
         self._max_connections = max_connections
         # aiohttp, not httpx: at 32 concurrent runners httpx's pool bookkeeping cost more CPU

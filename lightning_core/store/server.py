@@ -11,7 +11,6 @@ in their API's own shape (lightning_core/app.py joins the two).
 from __future__ import annotations
 
 import gzip
-import hmac
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,7 +25,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge
+from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge, error_body
+from lightning_core.keys import key_matches
 from lightning_core.store import otlp
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.store.schema import check_json_depth
@@ -162,7 +162,7 @@ class OrjsonRoute(APIRoute):
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+    return JSONResponse(error_body(kind, message), status_code=status)
 
 
 # Wraps the adding of a policy version: entered before the store commits it, so that what
@@ -201,8 +201,6 @@ def _limits_and_auth(
     (Anthropic's clients, which never send the bearer form). Requests it lets through are
     counted in `app.state.requests_in_flight` while they run (for /health/details).
     """
-    expected = f"Bearer {api_key}".encode() if api_key else None
-    expected_key = api_key.encode() if api_key else None
     # The bare liveness probe only: it answers {"status": "ok"} and nothing about the server,
     # so a load balancer or `start_serve` can poll it without the key.
     open_paths = {"/health"}
@@ -213,13 +211,11 @@ def _limits_and_auth(
             await app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if expected is not None and scope["path"] not in open_paths:
-            given = headers.get(b"authorization", b"")
+        if api_key and scope["path"] not in open_paths:
             given_key = headers.get(b"x-api-key", b"")
-            # compare_digest takes the same time wherever the first differing byte is.
             if not (
-                hmac.compare_digest(given, expected)
-                or (given_key and hmac.compare_digest(given_key, expected_key or b""))
+                key_matches(headers.get(b"authorization", b""), api_key)
+                or (given_key and key_matches(given_key, api_key, scheme=""))
             ):
                 await _error_at(
                     scope["path"],
