@@ -86,6 +86,9 @@ def database(tmp_path_factory) -> Path:
 def config(database, monkeypatch, request) -> RegistryConfig:
     # set_tracking_uri exports MLFLOW_TRACKING_URI; monkeypatch removes it after the test.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{database}")
+    # The registry URI is a process global no variable unsets: left by an earlier test's flow,
+    # it would point the tests' own `MlflowClient(tracking_uri)` at that test's registry.
+    mlflow.set_registry_uri(f"sqlite:///{database}")
     return RegistryConfig(
         tracking_uri=f"sqlite:///{database}",
         registered_model=f"lightning-{request.node.name.removeprefix('test_')}",
