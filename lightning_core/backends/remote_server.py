@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from lightning_core.backends.base import Backend, GenerationRequest, StreamDelta
 from lightning_core.errors import LightningError, Unauthorized, error_body
-from lightning_core.keys import key_matches
+from lightning_core.keys import key_check
 
 KEY_ENV = "LIGHTNING_REPLICA_KEY"
 # Longer than the client keeps idle connections (remote.KEEPALIVE_S), as in `serve`.
@@ -48,10 +48,11 @@ def _body(exc: LightningError) -> dict[str, Any]:
 
 def create_replica_app(backend: Backend, api_key: str | None = None) -> FastAPI:
     """The HTTP app serving `backend`; closing the app closes the backend."""
+    key_ok = key_check(api_key)
     counts = {"calls": 0, "in_flight": 0}
 
     def authorized(request: Request) -> None:
-        if not key_matches(request.headers.get("authorization", "").encode(), api_key):
+        if not key_ok(request.headers.get("authorization", "").encode()):
             raise Unauthorized("missing or wrong replica key (LIGHTNING_REPLICA_KEY)")
 
     @asynccontextmanager

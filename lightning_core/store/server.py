@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightning_core.errors import InvalidInput, LightningError, PayloadTooLarge, error_body
-from lightning_core.keys import key_matches
+from lightning_core.keys import key_check
 from lightning_core.store import otlp
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.store.schema import check_json_depth
@@ -201,6 +201,7 @@ def _limits_and_auth(
     (Anthropic's clients, which never send the bearer form). Requests it lets through are
     counted in `app.state.requests_in_flight` while they run (for /health/details).
     """
+    bearer_ok, x_api_key_ok = key_check(api_key), key_check(api_key, scheme="")
     # The bare liveness probe only: it answers {"status": "ok"} and nothing about the server,
     # so a load balancer or `start_serve` can poll it without the key.
     open_paths = {"/health"}
@@ -214,8 +215,8 @@ def _limits_and_auth(
         if api_key and scope["path"] not in open_paths:
             given_key = headers.get(b"x-api-key", b"")
             if not (
-                key_matches(headers.get(b"authorization", b""), api_key)
-                or (given_key and key_matches(given_key, api_key, scheme=""))
+                bearer_ok(headers.get(b"authorization", b""))
+                or (given_key and x_api_key_ok(given_key))
             ):
                 await _error_at(
                     scope["path"],
