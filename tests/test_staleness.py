@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+from unittest import mock
 
 import duckdb
 import pytest
@@ -256,6 +257,15 @@ def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_lear
     assert sorted(m.step for m in logged) == list(range(1, iterations + 1))
 
 
+@pytest.fixture
+def omp_unset():
+    """OMP_WAIT_POLICY unset, and the whole environment as it was afterwards: _passive_openmp
+    writes os.environ itself, which a later monkeypatch.delenv would record and put back."""
+    with mock.patch.dict(os.environ):
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        yield
+
+
 @pytest.mark.parametrize(
     ("argv", "passive"),
     [
@@ -268,20 +278,19 @@ def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_lear
     ],
 )
 def test_overlapping_on_cpu_makes_openmp_wait_passively_before_torch_loads(
-    argv, passive, monkeypatch
+    argv, passive, omp_unset
 ):
     from lightning_rl.flows.cli import _passive_openmp
     from lightning_rl.flows.train import _server_env
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     _passive_openmp(argv)
     assert (os.environ.get("OMP_WAIT_POLICY") == "PASSIVE") is passive
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    os.environ.pop("OMP_WAIT_POLICY", None)
     server = _server_env(TrainConfig(staleness=1))
     assert server == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert _server_env(TrainConfig()) == {} == _server_env(TrainConfig(staleness=1, backend="vllm"))
     # A user's own setting wins.
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
     _passive_openmp(["train", "--staleness", "1"])
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and _server_env(TrainConfig(staleness=1)) == {}
 
@@ -297,17 +306,16 @@ def test_overlapping_on_cpu_makes_openmp_wait_passively_before_torch_loads(
     ],
 )
 def test_a_staleness_from_the_config_file_or_the_resumed_run_also_makes_openmp_passive(
-    tmp_path, monkeypatch, extra, passive
+    tmp_path, omp_unset, extra, passive
 ):
     from lightning_rl.flows.cli import _passive_openmp
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     config = tmp_path / "overlap.json"
     config.write_text(json.dumps({"staleness": 2, "run_dir": str(tmp_path / "runs")}))
     _passive_openmp(["train", "--config", str(config), *extra])
     assert (os.environ.get("OMP_WAIT_POLICY") == "PASSIVE") is passive
     # A resumed run keeps its own staleness; an unreadable --config is left to the command.
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    os.environ.pop("OMP_WAIT_POLICY", None)
     old = tmp_path / "runs" / "old"
     old.mkdir(parents=True)
     (old / "config.json").write_text(json.dumps({"staleness": 1}))
