@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
+.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -118,6 +118,11 @@ bench-fuzz: setup-dev
 
 bench-soak: setup-dev
 	$(BIN)/python benchmarks/soak.py
+
+# Well-behaved rollouts beside huge prompts, OTLP bodies and grammars, idle connections,
+# cut-off bodies and long polls (issue 25): abuse_good_request_failures, abuse_health_p99_ms.
+bench-abuse: setup-dev
+	$(BIN)/python benchmarks/abuse.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -328,7 +328,7 @@ def train_fields(
     `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
     from lightning_rl.flows.config import TrainConfig
     from lightning_rl.flows.presets import preset_fields
-    from lightning_rl.flows.run_state import CONFIG_FILE, run_path
+    from lightning_rl.flows.run_state import CONFIG_FILE, check_run_name, run_path
 
     # The preset travels with the flags (so this signature stays) but is no setting itself.
     options = dict(options)
@@ -345,7 +345,7 @@ def train_fields(
         run_dir = flags.get("run_dir") or from_file.get("run_dir") or TrainConfig().run_dir
         if flags.get("run_name", resume) != resume:
             raise LightningError(f"--resume {resume} and --run-name {flags['run_name']} disagree")
-        saved = run_path(run_dir, resume) / CONFIG_FILE
+        saved = run_path(run_dir, check_run_name(resume)) / CONFIG_FILE
         if not saved.is_file():
             raise LightningError(
                 f"cannot resume {resume}: no {saved} (a run writes it when it starts)"
@@ -361,6 +361,8 @@ def train_fields(
     unknown = _unknown_keys(TrainConfig, fields, "")
     if unknown:
         raise LightningError(f"unknown training settings: {', '.join(unknown)}")
+    if isinstance(fields.get("run_name"), str):  # one line here, not pydantic's report
+        check_run_name(fields["run_name"])
     # Nested settings over TrainConfig's defaults (the demo trainer), not their class's.
     for name in _nested_fields():
         if name in fields:
@@ -400,16 +402,19 @@ def train(**options: Any) -> None:
     folder = run_path(settings.run_dir, settings.run_name)
     folder.mkdir(parents=True, exist_ok=True)
 
+    from lightning_rl.flows.prefect_server import temporary_server
     from lightning_rl.flows.train import train as train_flow
 
     params = settings.model_dump()
     verb = "resuming" if resume else "training"
     typer.echo(f"{verb} {spec.name} -> {folder}", err=True)
     try:
-        if quiet or not sys.stderr.isatty():
-            summary = train_flow(**params)
-        else:
-            summary = _run_with_view(lambda: train_flow(**params), folder, settings.iterations)
+        # Here, on the main thread: the temporary Prefect server dies with it (a SIGKILL too).
+        with temporary_server():
+            if quiet or not sys.stderr.isatty():
+                summary = train_flow(**params)
+            else:
+                summary = _run_with_view(lambda: train_flow(**params), folder, settings.iterations)
     except LightningError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -484,6 +489,7 @@ def evaluate(
     _quiet_prefect()
     _interrupt_on_sigterm()
     from lightning_rl.flows.evaluate import evaluate as evaluate_flow
+    from lightning_rl.flows.prefect_server import temporary_server
     from lightning_rl.tasks.profiles import profile
 
     _agents_from_cwd()
@@ -492,9 +498,10 @@ def evaluate(
     except LightningError as exc:
         _fail(exc)
     try:
-        result = evaluate_flow(
-            agent=agent, policy=policy, eval_size=eval_size, model=base_model, tasks=tasks
-        )
+        with temporary_server():
+            result = evaluate_flow(
+                agent=agent, policy=policy, eval_size=eval_size, model=base_model, tasks=tasks
+            )
     except LightningError as exc:
         _fail(exc)
     except ValidationError as exc:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -24,7 +23,7 @@ from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.collect import CreditConfig
 from lightning_core.curriculum import CurriculumConfig
 from lightning_core.offline import OfflineConfig
-from lightning_rl.flows.run_state import DEFAULT_RUN_DIR
+from lightning_rl.flows.run_state import DEFAULT_RUN_DIR, run_name_problem
 from lightning_rl.registry.config import RegistryConfig
 
 DataSource = Literal["profile", "new_tasks", "episodes"]
@@ -189,8 +188,9 @@ class TrainConfig(BaseModel):
     @field_validator("run_name")
     @classmethod
     def _safe_name(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,80}", value):
-            raise ValueError("run_name may hold letters, digits, '.', '_' and '-' only")
+        problem = None if value is None else run_name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")

@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from lightning_core.errors import InvalidInput, NotFound
+from lightning_rl.flows.redacted import flow
 from lightning_rl.registry.config import RegistryConfig, resolve
 from lightning_rl.registry.runs import log_metrics, log_params, tracking
 from lightning_rl.registry.versions import champion_adapter, record_score

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,35 @@ CONFIG_FILE = "config.json"
 DEFAULT_RUN_DIR = "runs"
 # Settings a resumed run may change: more iterations extend a finished or stopped run.
 RESUMABLE_CHANGES = frozenset({"iterations"})
+# `<run_dir>/latest` is the link to the newest run (run_folder): a run of that name would be
+# the link itself, pointing at itself, and the newest run would be lost. Compared lowercased,
+# for filesystems that ignore case.
+RESERVED_RUN_NAMES = frozenset({"latest"})
+# A run name is one folder name: no separators, no '.' or '..', no hidden or temporary name.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,80}")
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a run, in one line; None when it can."""
+    if name.lower() in RESERVED_RUN_NAMES:
+        return (
+            f"run name {name!r} is reserved: <run_dir>/{name.lower()} links to the newest run; "
+            "pick another name"
+        )
+    if not _RUN_NAME.fullmatch(name):
+        return (
+            f"run name {name!r} is not a folder name: use letters, digits, '.', '_' and '-' "
+            "(at most 81, starting with a letter or digit)"
+        )
+    return None
+
+
+def check_run_name(name: str) -> str:
+    """`name`, if it can name a run; else InvalidInput saying why."""
+    problem = run_name_problem(name)
+    if problem is not None:
+        raise InvalidInput(problem)
+    return name
 
 
 def default_run_name(agent: str) -> str:
@@ -43,7 +73,7 @@ def run_path(run_dir: str | Path, run_name: str) -> Path:
 
 def run_folder(run_dir: str | Path, run_name: str) -> Path:
     """The run's folder (created), with `<run_dir>/latest` pointing at it."""
-    root = run_path(run_dir, run_name)
+    root = run_path(run_dir, check_run_name(run_name))
     root.mkdir(parents=True, exist_ok=True)
     # runs/latest: where `lightning-rl analyze` looks by default. A link made aside, then
     # renamed over the old one, so a reader never finds it missing.

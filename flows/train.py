@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, unmapped
+from prefect import get_run_logger, unmapped
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -62,6 +62,7 @@ from lightning_core.rewards import AIRRule
 from lightning_core.types import RolloutStatus
 from lightning_rl.flows import pipeline
 from lightning_rl.flows.config import TrainConfig, train_config_parameters
+from lightning_rl.flows.redacted import flow
 from lightning_rl.flows.run_state import (
     Checkpoint,
     Evaluation,
@@ -88,13 +89,13 @@ from lightning_rl.tasks import data as data_plan
 from lightning_rl.tasks import progress, report
 from lightning_rl.tasks.analysis import analyze_iteration
 from lightning_rl.tasks.evaluation import evaluate_policy
+from lightning_rl.tasks.gpu_slot import ensure_gpu_limit
 from lightning_rl.tasks.profiles import AgentProfile, profile
 from lightning_rl.tasks.registry import register_policy
 from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
 from lightning_rl.tasks.server import policy_server, store_client
 from lightning_rl.tasks.training import (
     agent_trainer_configs,
-    ensure_gpu_limit,
     publish_policy,
     train_agent_policies,
     train_offline,

@@ -21,6 +21,7 @@ from lightning_core.errors import LightningError
 from lightning_core.gateway.errors import error_response, is_gateway_path
 from lightning_core.gateway.routes import gateway_router
 from lightning_core.gateway.service import Gateway
+from lightning_core.http_edge import HttpLimits
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.store.server import OrjsonRoute, Publishing, create_store_app
 from lightning_core.types import PolicyVersion
@@ -72,11 +73,12 @@ def create_app(
     max_request_bytes: int = 64 * 1024 * 1024,
     close_store: bool = True,
     gateway: Gateway | None = None,
+    limits: HttpLimits | None = None,
 ) -> Any:
     """The app serving `store` (and `gateway`, if given), wrapped in the auth and size-limit
     middleware. Closing the app closes the store and the gateway's backend."""
     if gateway is None:
-        return create_store_app(store, api_key, max_request_bytes, close_store)
+        return create_store_app(store, api_key, max_request_bytes, close_store, limits=limits)
     # A backend that runs a server of its own (vLLM) starts on the app's loop, before requests.
     return create_store_app(
         store,
@@ -89,6 +91,7 @@ def create_app(
         error_body=_gateway_error,
         details=lambda: _gateway_details(gateway),
         publishing=_publishing(gateway),
+        limits=limits,
         description="The LightningStore (rollouts, spans, transitions, OTLP traces) and the "
         "policy gateway (OpenAI chat, completions and responses; Anthropic messages).",
     )

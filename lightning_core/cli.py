@@ -90,11 +90,11 @@ def serve(
     """
     import json
 
-    import uvicorn
     from pydantic import ValidationError
 
     from lightning_core import serving
     from lightning_core.app import create_app
+    from lightning_core.http_edge import run_server
     from lightning_core.settings import ServeSettings
     from lightning_core.store.duckdb_store import DuckDBStore
 
@@ -132,7 +132,11 @@ def serve(
     sys.setswitchinterval(0.0005)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     server_app = create_app(
-        store, api_key=key, max_request_bytes=settings.max_request_bytes, gateway=gateway
+        store,
+        api_key=key,
+        max_request_bytes=settings.max_request_bytes,
+        gateway=gateway,
+        limits=settings.http_limits(),
     )
     url = f"http://{settings.host}:{settings.port}"
     served = f"gateway {url}/v1 serving {gateway.backend.base_model}" if gateway else "no gateway"
@@ -144,14 +148,15 @@ def serve(
         err=True,
     )
     try:
-        uvicorn.run(
+        run_server(
             server_app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
+            settings.host,
+            settings.port,
+            settings.log_level,
             # Longer than clients keep idle connections (15 s in HttpStoreClient), so that a
             # client never sends on a connection the server is closing.
-            timeout_keep_alive=SERVER_KEEPALIVE_S,
+            keepalive_s=SERVER_KEEPALIVE_S,
+            limits=settings.http_limits(),
         )
     except OSError as exc:
         _fail(LightningError(f"cannot listen on {settings.host}:{settings.port}: {exc}"))

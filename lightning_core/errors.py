@@ -47,6 +47,12 @@ class Unauthorized(LightningError):
     status_code = 401
 
 
+class Forbidden(LightningError):
+    """The key is right but does not open this: an agent key writing another attempt's spans."""
+
+    status_code = 403
+
+
 class RateLimited(LightningError):
     """Past a limit on calls (gateway/limits.py). `retry` says whether the same call may pass
     later (too many at once) or never will (a spent budget); clients read it from the

@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 
 from lightning_core import tracing
 from lightning_core.errors import IllegalTransition, InvalidInput, LightningError
+from lightning_core.keys import agent_key
 from lightning_core.store.base import LightningStore
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import AttemptStatus, Claim, LLMEndpoint, Rollout
@@ -156,6 +157,12 @@ class _Budget:
 
 _traced_target: tuple[Any, ...] | None = None
 _traced_provider: TracerProvider | None = None
+# Rollout workers (a flow's run-rollouts tasks, each on its own thread) set tracing up at once:
+# unserialised, two made a provider each and the second shut the first down, so the first
+# worker's flushes failed ("spans of attempt ... were not all flushed", 16 in a row) and its
+# spans were dropped. A resumed run hit it: its first iteration's rollouts were the process's
+# first, where an uninterrupted run's base evaluation had set tracing up alone before.
+_traced_lock = threading.Lock()
 
 
 def ensure_tracing(store: LightningStore, api_key: str | None = None) -> TracerProvider:
@@ -174,19 +181,20 @@ def ensure_tracing(store: LightningStore, api_key: str | None = None) -> TracerP
         target: tuple[Any, ...] = ("otlp", store.url, key)
     else:
         target = ("in-process", store, asyncio.get_running_loop())
-    if _traced_provider is not None and target == _traced_target:
-        return _traced_provider
-    # tracing.instrument_frameworks looks instrumentors up by their parent package, which
-    # raises rather than answers "absent" when no OpenInference package is installed at all.
-    instrument = importlib.util.find_spec("openinference") is not None
-    if isinstance(store, HttpStoreClient):
-        provider = tracing.setup_tracing(store.url, api_key=target[2], instrument=instrument)
-    else:
-        provider = tracing.setup_tracing(store=store, loop=target[2], instrument=instrument)
-    if _traced_provider is not None:
-        _traced_provider.shutdown()
-    _traced_target, _traced_provider = target, provider
-    return provider
+    with _traced_lock:
+        if _traced_provider is not None and target == _traced_target:
+            return _traced_provider
+        # tracing.instrument_frameworks looks instrumentors up by their parent package, which
+        # raises rather than answers "absent" when no OpenInference package is installed.
+        instrument = importlib.util.find_spec("openinference") is not None
+        if isinstance(store, HttpStoreClient):
+            provider = tracing.setup_tracing(store.url, api_key=target[2], instrument=instrument)
+        else:
+            provider = tracing.setup_tracing(store=store, loop=target[2], instrument=instrument)
+        if _traced_provider is not None:
+            _traced_provider.shutdown()
+        _traced_target, _traced_provider = target, provider
+        return provider
 
 
 def _record_exception(provider: TracerProvider, exc: BaseException, summary: str) -> None:
@@ -274,9 +282,11 @@ class Runner:
     """Runs `agent` on the rollouts of `store`'s queue, `config.concurrency` attempts at a time.
 
     `gateway_url` is the root URL of the server whose gateway serves the policy (the store's own
-    server); `api_key` is handed to agents for it and used for OTLP (None: the key of `store`,
-    when it is an HttpStoreClient). `on_attempt` is called with each finished attempt's
-    AttemptResult, for progress reporting.
+    server); `api_key` is that server's key (None: the key of `store`, when it is an
+    HttpStoreClient), used for OTLP. Agents never get it: each attempt's agent gets an agent
+    key derived from it (keys.agent_key), which opens that attempt's gateway routes and span
+    writes only. `on_attempt` is called with each finished attempt's AttemptResult, for
+    progress reporting.
     """
 
     def __init__(
@@ -317,7 +327,8 @@ class Runner:
             base_url=f"{self.gateway_url}/rollouts/{rollout.rollout_id}"
             f"/attempts/{attempt.attempt_id}/v1",
             model=rollout.policy_version or self.config.default_model,
-            api_key=self.api_key or "lightning",
+            # A keyless server takes any key; OpenAI's client insists on one.
+            api_key=agent_key(self.api_key, attempt.attempt_id) if self.api_key else "lightning",
             sampling=sampling,
         )
 

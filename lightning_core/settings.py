@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr
@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import InvalidInput
 from lightning_core.gateway.service import GatewayConfig
+from lightning_core.http_edge import HttpLimits, is_loopback
 from lightning_core.store.config import StoreConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -18,7 +19,7 @@ M = TypeVar("M", bound=BaseModel)
 # The store's and the gateway's settings are their own models, inherited whole: their fields
 # (db, attempt_timeout_s, tool_format, ...) with their defaults, constraints and descriptions
 # are ServeSettings fields, read as flags and LIGHTNING_<NAME> like the server's own.
-class ServeSettings(StoreConfig, GatewayConfig, BaseSettings):
+class ServeSettings(StoreConfig, GatewayConfig, HttpLimits, BaseSettings):
     """How `lightning-rl serve` runs; every field can be set as LIGHTNING_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="LIGHTNING_", extra="ignore")
@@ -81,7 +82,17 @@ class ServeSettings(StoreConfig, GatewayConfig, BaseSettings):
         return self._part(StoreConfig)
 
     def gateway_config(self) -> GatewayConfig:
-        return self._part(GatewayConfig)
+        config = self._part(GatewayConfig)
+        # The store's folder holds what the runs serving from it write there: a training run's
+        # adapters/ and warm_start/ (the champion it downloads), an evaluation's adapter/,
+        # production's adapters/. So adapters load from there, and from what the operator adds.
+        if self.db != ":memory:":
+            store_folder = str(Path(self.db).expanduser().resolve().parent)
+            config.adapter_roots = [store_folder, *config.adapter_roots]
+        return config
+
+    def http_limits(self) -> HttpLimits:
+        return self._part(HttpLimits)
 
     def _part(self, model: type[M]) -> M:
         return model.model_validate(self.model_dump(include=set(model.model_fields)))
@@ -95,12 +106,3 @@ class ServeSettings(StoreConfig, GatewayConfig, BaseSettings):
                 f"refusing to listen on {self.host} without an API key: anyone who can reach it "
                 "could read and write the store. Set LIGHTNING_API_KEY, or bind to 127.0.0.1."
             )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere

@@ -12,13 +12,50 @@ import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import orjson
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from lightning_core.backends.base import Constraint
-from lightning_core.errors import IllegalTransition, InvalidInput
+from lightning_core.errors import IllegalTransition, InvalidInput, PayloadTooLarge
 
 # Rewards must be real numbers: a NaN or an infinity poisons every mean it enters.
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+# Caps on the free-form JSON a client stores. The store keeps every rollout, episode and
+# feedback row in memory and sends each one whole in every query that finds it, so one
+# oversized value costs memory for as long as the store runs and time in every read.
+# A task's input is a question, a schema, a few retrieved passages: the demo datasets' largest
+# is a few KB; 1 MiB leaves room for long documents and stops a body-sized (64 MB) one.
+MAX_INPUT_BYTES = 1024 * 1024
+# Labels (metadata) are a handful of keys: 64 KiB is hundreds of them.
+MAX_METADATA_BYTES = 64 * 1024
+
+
+def check_payload_size(value: Any, field: str, cap: int) -> None:
+    """PayloadTooLarge (a 413 over HTTP) naming `field` if `value` is over `cap` bytes as JSON."""
+    try:
+        size = len(orjson.dumps(value))
+    except orjson.JSONEncodeError as exc:
+        raise ValueError(f"{field} is not a JSON value: {exc}") from None
+    if size > cap:
+        raise PayloadTooLarge(
+            f"{field} is {size} bytes as JSON, over the cap of {cap} bytes: store a reference "
+            "(a path, an id) instead of the data itself"
+        )
+
+
+def _capped(cap: int) -> AfterValidator:
+    def check(value: Any, info: ValidationInfo) -> Any:
+        check_payload_size(value, info.field_name or "value", cap)
+        return value
+
+    return AfterValidator(check)
+
+
+# Free-form JSON a client stores, capped (the error is a PayloadTooLarge, not a ValueError, so
+# that pydantic lets it through and the server answers 413 rather than 422).
+StoredInput = Annotated[Any, _capped(MAX_INPUT_BYTES)]
+Labels = Annotated[dict[str, Any], _capped(MAX_METADATA_BYTES)]
 
 
 def new_id(prefix: str) -> str:
@@ -110,7 +147,10 @@ class Task(_Model):
 class RolloutRequest(_Model):
     """What the algorithm side enqueues; the store turns it into a Rollout."""
 
-    input: Any = Field(description="The task payload handed to the agent (any JSON value).")
+    input: StoredInput = Field(
+        description=f"The task payload handed to the agent (any JSON value, at most "
+        f"{MAX_INPUT_BYTES} bytes)."
+    )
     rollout_id: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
@@ -127,7 +167,9 @@ class RolloutRequest(_Model):
     max_attempts: int = Field(
         1, ge=1, le=100, description="Attempts before the rollout is marked failed."
     )
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form labels.")
+    metadata: Labels = Field(
+        default_factory=dict, description=f"Free-form labels, at most {MAX_METADATA_BYTES} bytes."
+    )
 
     @classmethod
     def for_task(cls, task: Task, **kwargs: Any) -> RolloutRequest:
@@ -331,7 +373,9 @@ class FeedbackIn(_Model):
         description="When the signal happened, in seconds since the epoch; None: now.",
     )
     comment: str | None = Field(None, max_length=2000, description="Free text, e.g. why.")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form labels.")
+    metadata: Labels = Field(
+        default_factory=dict, description=f"Free-form labels, at most {MAX_METADATA_BYTES} bytes."
+    )
 
 
 class Feedback(_Model):

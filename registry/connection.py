@@ -19,6 +19,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
 from lightning_core.errors import LightningError
+from lightning_core.redaction import redact
 from lightning_rl.registry.config import DEFAULT_TRACKING_URI, RegistryConfig
 
 
@@ -104,8 +105,8 @@ def reachable(uri: str, doing: str) -> Iterator[None]:
         if not _unreachable(e):
             raise
         raise RegistryUnavailable(
-            f"the MLflow tracking server at {uri} cannot be reached while {doing}: "
-            f"{str(e).splitlines()[0][:300]}. Start it (or point registry.tracking_uri, or "
+            f"the MLflow tracking server at {redact(uri)} cannot be reached while {doing}: "
+            f"{redact(str(e).splitlines()[0])[:300]}. Start it (or point registry.tracking_uri, or "
             "MLFLOW_TRACKING_URI, at a running one); doing it again then finishes what was "
             "cut short, without a second version"
         ) from e

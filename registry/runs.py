@@ -12,6 +12,7 @@ import mlflow
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
+from lightning_core.redaction import redact
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.connection import experiment_id, mlflow_client
 
@@ -59,7 +60,8 @@ def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         if isinstance(value, Mapping):
             flat.update(_flatten(value, f"{name}."))
         else:
-            flat[name] = str(value)[:_MAX_PARAM_CHARS]
+            # A URL's password (tracking_uri, vllm_url) is no param for every reader to see.
+            flat[name] = redact(str(value))[:_MAX_PARAM_CHARS]
     return flat
 
 
@@ -67,7 +69,7 @@ def log_params(params: Mapping[str, Any], run_id: str | None = None) -> dict[str
     """Log params, nested dicts and pydantic models flattened to dotted keys (`trainer.lora.rank`).
 
     `run_id` None is this thread's active run; pass the run's id from tasks run in other threads.
-    Returns what was logged.
+    Secrets inside URLs are logged as '***' (lightning_core.redaction). Returns what was logged.
     """
     flat = _flatten(params)
     mlflow.log_params(flat, run_id=run_id)

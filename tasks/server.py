@@ -102,8 +102,9 @@ def policy_server(
     options = ["--host", host, "--backend", backend, "--tool-format", tool_format]
     if model:
         options += ["--model", model]
-    if vllm_url:
-        options += ["--vllm-url", vllm_url]
+    # The vLLM URL goes through the environment, never the command line, which any user of the
+    # machine can read: a password inside it (http://user:pass@host) stays private.
+    secrets_env = {"LIGHTNING_VLLM_URL": vllm_url} if vllm_url else {}
     if replicas != 1:
         options += ["--replicas", str(replicas)]
     write_key_file(key_file, key)
@@ -117,7 +118,7 @@ def policy_server(
                 *options,
                 timeout=start_timeout_s,
                 preexec_fn=serving.die_with_parent,
-                env={**os.environ, **(env or {}), "LIGHTNING_API_KEY": key},
+                env={**os.environ, **(env or {}), **secrets_env, "LIGHTNING_API_KEY": key},
             ),
             max_restarts,
         )

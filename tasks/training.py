@@ -8,7 +8,6 @@ as one policy version whose calls are served per agent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import shutil
@@ -20,7 +19,6 @@ from typing import Any
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.concurrency.sync import concurrency
 
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.distributed import train_data_parallel
@@ -28,28 +26,8 @@ from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.errors import Conflict
 from lightning_core.offline import OfflineBatch, OfflineConfig, choose_method, filtered
 from lightning_core.types import PolicyVersion, Transition
+from lightning_rl.tasks.gpu_slot import gpu_slot
 from lightning_rl.tasks.server import store_client
-
-# The global concurrency limit that serialises accelerator work across flow runs.
-GPU_LIMIT = "gpu"
-
-
-def ensure_gpu_limit(slots: int = 1) -> None:
-    """Create the `gpu` global concurrency limit (one slot) unless it exists already, so that
-    training steps of concurrent flow runs take turns on the accelerator. A team sizes it
-    with `prefect gcl update gpu --limit N` (or creates it first); this leaves theirs alone."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-        except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):  # another run was first
-                client.create_global_concurrency_limit(
-                    GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots)
-                )
 
 
 def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
@@ -132,7 +110,7 @@ def train_policy(
         return metrics | _train_data_parallel(
             trainer_config, batch, previous_adapter, adapter_dir, updates, seed
         )
-    with concurrency(GPU_LIMIT, occupy=1, strict=True):
+    with gpu_slot():
         trainer = _trainer(trainer_config, previous_adapter)
         steps = [trainer.step(part) for part in _split_updates(batch, updates, seed)]
         if steps:
@@ -160,7 +138,7 @@ def _train_data_parallel(
             del _live[key]
     staging = final.with_name(f".{final.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    with concurrency(GPU_LIMIT, occupy=1, strict=True):
+    with gpu_slot():
         steps = train_data_parallel(
             config, _split_updates(batch, updates, seed), previous_adapter, staging
         )
@@ -188,7 +166,7 @@ def train_offline(
     past `offline.max_behaviour_kl` (or when asked) the update is reward-filtered fine-tuning
     on the episodes that did well instead (offline.py).
     """
-    with concurrency(GPU_LIMIT, occupy=1, strict=True):
+    with gpu_slot():
         trainer = _trainer(trainer_config, previous_adapter)
         gap = trainer.behaviour_gap(batch.transitions) if batch.transitions else {}
         method = offline.method if offline.method != "auto" else choose_method(gap, offline)

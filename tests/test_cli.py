@@ -38,7 +38,7 @@ def test_every_command_has_help(command):
         (["train", "--agent", "nope"], "unknown agent 'nope'"),
         (["train", "--iterations", "0"], "iterations"),
         (["train", "--agent", "mod:fn"], "needs a task loader"),
-        (["train", "--run-name", "../up"], "run_name"),
+        (["train", "--run-name", "../up"], "run name '../up'"),
         (["eval", "--agent", "nope"], "unknown agent 'nope'"),
     ],
 )
@@ -185,13 +185,18 @@ def test_serve_settings_are_the_stores_and_the_gateways_read_from_the_environmen
         "DUCKDB_THREADS": "2",
         "TOOL_FORMAT": "line",
         "BACKEND_OPTIONS": '{"max_batch_size": 8}',
+        "ADAPTER_ROOTS": '["/data/adapters"]',
     }.items():
         monkeypatch.setenv(f"LIGHTNING_{name}", value)
     settings = ServeSettings(port=5000, default_max_tokens=64)
     assert settings.store_config() == StoreConfig(
         db="env.duckdb", attempt_timeout_s=12, duckdb_threads=2
     )
-    assert settings.gateway_config() == GatewayConfig(tool_format="line", default_max_tokens=64)
+    # Adapters load from the store's folder, and from the roots the operator adds.
+    roots = [os.getcwd(), "/data/adapters"]
+    assert settings.gateway_config() == GatewayConfig(
+        tool_format="line", default_max_tokens=64, adapter_roots=roots
+    )
     assert settings.backend_options == {"max_batch_size": 8} and settings.port == 5000
     # Declared once: the store's and the gateway's fields, with their defaults and descriptions.
     for model in (StoreConfig, GatewayConfig):

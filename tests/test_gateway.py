@@ -16,18 +16,20 @@ from transformers import AutoTokenizer
 from lightning_core import semconv
 from lightning_core.app import create_app
 from lightning_core.backends.transformers_backend import TransformersBackend
-from lightning_core.gateway.service import Gateway
+from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.store.duckdb_store import DuckDBStore
 from tests.conftest import ThreadedServer
 from tests.models import TOOL_CALL_TEXT, TOOL_QUESTION, TOOLS, tool_calling_model
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     folder = tool_calling_model()
     store = DuckDBStore(db=":memory:")
     backend = TransformersBackend(model=str(folder))
-    app = create_app(store, gateway=Gateway(backend, store))
+    # Adapters load from the tests' own folders only (adapter_folder.py).
+    config = GatewayConfig(adapter_roots=[str(tmp_path_factory.getbasetemp())])
+    app = create_app(store, gateway=Gateway(backend, store, config))
     with ThreadedServer(app) as running:
         running.model = backend.base_model
         running.tokenizer = AutoTokenizer.from_pretrained(folder)

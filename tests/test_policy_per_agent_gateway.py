@@ -19,7 +19,7 @@ from lightning_core.algo.trainer import STATE_FILE, agent_adapter_dirs
 from lightning_core.app import create_app
 from lightning_core.backends.transformers_backend import TransformersBackend
 from lightning_core.errors import Conflict
-from lightning_core.gateway.service import Gateway
+from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import PolicyVersion
 from lightning_rl.tasks.training import publish_policy
@@ -54,10 +54,12 @@ def policy_dir(model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server(model_dir, tmp_path_factory):
     store = DuckDBStore(db=":memory:")
     backend = TransformersBackend(model=str(model_dir), device="cpu")
-    with ThreadedServer(create_app(store, gateway=Gateway(backend, store))) as running:
+    # Adapters load from the tests' own folders only (adapter_folder.py).
+    config = GatewayConfig(adapter_roots=[str(tmp_path_factory.getbasetemp())])
+    with ThreadedServer(create_app(store, gateway=Gateway(backend, store, config))) as running:
         running.model = backend.base_model
         yield running
 

@@ -9,6 +9,7 @@ over loopback, policy versions published through the store client as training pu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -209,8 +210,10 @@ def test_vllm_replicas_attach_to_one_server_each():
 
 def start_replicated(tmp: Path) -> tuple[object, str]:
     port = serving.free_port()
+    # The tests' adapters lie in sibling folders of the store's (adapter_folder.py).
+    env = {**os.environ, "LIGHTNING_ADAPTER_ROOTS": json.dumps([str(tmp.parent)])}
     proc = serving.start_serve(
-        tmp / "s.duckdb", port, "--model", "tiny", "--replicas", "2", timeout=300
+        tmp / "s.duckdb", port, "--model", "tiny", "--replicas", "2", timeout=300, env=env
     )
     return proc, f"http://127.0.0.1:{port}"
 

@@ -1,6 +1,8 @@
-"""A training run SIGKILLed in the middle of iteration 2 of 3 and resumed from its checkpoint
-ends as the same run uninterrupted would: each iteration once in MLflow, the same final adapter,
-no duplicated transitions in the Parquet views, one registered version.
+"""A training run SIGKILLed in any stage of iteration 2 of 3 (rollouts, training, publish,
+evaluation) or while it registers its model, and resumed from its checkpoint, ends as the same
+run uninterrupted would: each iteration once in MLflow, the same final adapter, no duplicated
+transitions in the Parquet views, one registered version. One uninterrupted run serves as the
+reference of every stage.
 
 Both runs go through the CLI as a user runs them (tiny model, real policy server, Prefect's
 temporary server, MLflow on SQLite)."""
@@ -16,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 from safetensors.torch import load_file
@@ -73,19 +76,54 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _kill_in_iteration_2(proc: subprocess.Popen, run: Path) -> None:
-    """SIGKILL the flow's process once iteration 2 has rollouts under way."""
+def _after(events: list[dict], stage: str) -> list[dict]:
+    """The events after the first `stage` event of iteration 2 (empty: none yet)."""
+    started = [i for i, e in enumerate(events) if e["stage"] == "iteration"]
+    if len(started) < 2:
+        return []
+    tail = events[started[1] :]
+    firsts = [i for i, e in enumerate(tail) if e["stage"] == stage]
+    return tail[firsts[0] :] if firsts else []
+
+
+def _slots_held(home: Path) -> list[Path]:
+    # The record each holder of a `gpu` slot keeps while it holds it (tasks/gpu_slot.py).
+    return list((home / "prefect" / "lightning-slots").glob("*.json"))
+
+
+def _in_stage(stage: str, run: Path, home: Path) -> bool:
+    """Whether the run is in `stage` of iteration 2 (registration: of the run's end) now."""
+    events = _events(run)
+    if stage == "rollouts":
+        return any(e["stage"] == "rollout" for e in _after(events, "iteration"))
+    if stage == "training":
+        # Inside train-policy with the slot held: the case that hung the resumed run.
+        return bool(_after(events, "training")) and bool(_slots_held(home))
+    if stage == "publish":
+        # The adapter saved and the slot given back, its policy version not yet recorded.
+        return (
+            (run / "adapters" / "v2").is_dir()
+            and not _slots_held(home)
+            and not _after(events, "iterated")
+        )
+    if stage == "evaluation":
+        return any(e["stage"] == "eval" for e in _after(events, "iterated"))
+    assert stage == "registration"
+    # Written by the run's end just before it registers its model version in MLflow.
+    return (run / "heldout_comparison.json").exists()
+
+
+def _kill_in(stage: str, proc: subprocess.Popen, run: Path, home: Path) -> None:
+    """SIGKILL the flow's process once it is in `stage` (of iteration 2 of 3)."""
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before iteration 2"
-        events = _events(run)
-        started = [i for i, e in enumerate(events) if e["stage"] == "iteration"]
-        if len(started) >= 2 and any(e["stage"] == "rollout" for e in events[started[1] :]):
+        assert proc.poll() is None, f"the run ended before {stage}"
+        if _in_stage(stage, run, home):
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
             return
-        time.sleep(0.05)
-    raise AssertionError("iteration 2 did not start in time")
+        time.sleep(0.01)
+    raise AssertionError(f"the run did not reach {stage} in time")
 
 
 def _wait_for_policy_server_to_exit(store: Path) -> None:
@@ -105,6 +143,24 @@ def _wait_for_policy_server_to_exit(store: Path) -> None:
     raise AssertionError(f"the policy server of {store} outlived the killed flow")
 
 
+def _wait_for_prefect_server_to_exit(home: Path) -> None:
+    # The temporary Prefect server dies with the flow's process too (flows/prefect_server.py).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        alive = []
+        for proc in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                command = proc.info["cmdline"] or []
+                if "prefect.server.api.server:create_app" in command and proc.environ().get(
+                    "PREFECT_HOME"
+                ) == str(home / "prefect"):
+                    alive.append(proc)
+        if not alive:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the temporary Prefect server outlived the killed flow")
+
+
 def _adapter(run: Path, version: int) -> dict:
     return load_file(run / "adapters" / f"v{version}" / "adapter_model.safetensors")
 
@@ -114,13 +170,93 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-@pytest.mark.fault(
-    name="flow process SIGKILLed",
-    injected="SIGKILL to the `lightning-rl train` process once iteration 2 of 3 has rollouts out",
-    outcome="checkpoint at iteration 1; --resume finishes with each iteration once in MLflow and "
-    "the Parquet views, the uninterrupted run's adapter, one registered version",
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(_command(*args), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The run no kill interrupts, with the same seed: what every resumed run must end as. One
+    for all the rows (a run takes minutes)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    _run(["--config", str(_config(tmp, "whole", "resume-whole")), "--run-name", "whole"], _env(tmp))
+    return tmp / "runs" / "whole"
+
+
+# Where in a run its flow's process is SIGKILLed: each stage of an iteration, and the run's end.
+_OUTCOME = (
+    "--resume finishes with each iteration once in MLflow and the Parquet views, the "
+    "uninterrupted run's adapter, one registered version"
 )
-def test_a_run_killed_in_iteration_2_resumes_to_the_uninterrupted_result(tmp_path, request):
+STAGES = [
+    pytest.param(
+        "rollouts",
+        1,
+        id="killed-in-rollouts",
+        marks=pytest.mark.fault(
+            name="flow process SIGKILLed",
+            injected="SIGKILL to the `lightning-rl train` process once iteration 2 of 3 has "
+            "rollouts out",
+            outcome=f"checkpoint at iteration 1; {_OUTCOME}",
+        ),
+    ),
+    pytest.param(
+        "training",
+        1,
+        id="killed-in-training",
+        marks=pytest.mark.fault(
+            name="flow SIGKILLed during training",
+            injected="SIGKILL to the `lightning-rl train` process in iteration 2's train-policy, "
+            "while it holds the `gpu` concurrency slot",
+            outcome="checkpoint at iteration 1; the resumed run takes the slot the dead run held "
+            f"at once; {_OUTCOME}",
+        ),
+    ),
+    pytest.param(
+        "publish",
+        1,
+        id="killed-in-publish",
+        marks=pytest.mark.fault(
+            name="flow SIGKILLed during publish",
+            injected="SIGKILL to the `lightning-rl train` process once iteration 2's adapter is "
+            "saved and its slot given back, before its policy version is recorded",
+            outcome=f"checkpoint at iteration 1; {_OUTCOME}",
+        ),
+    ),
+    pytest.param(
+        "evaluation",
+        1,
+        id="killed-in-evaluation",
+        marks=pytest.mark.fault(
+            name="flow SIGKILLed during evaluation",
+            injected="SIGKILL to the `lightning-rl train` process while iteration 2's held-out "
+            "evaluation runs",
+            outcome=f"checkpoint at iteration 1; {_OUTCOME}",
+        ),
+    ),
+    pytest.param(
+        "registration",
+        3,
+        id="killed-in-registration",
+        marks=pytest.mark.fault(
+            name="flow SIGKILLed during registration",
+            injected="SIGKILL to the `lightning-rl train` process once the last iteration is "
+            "evaluated and the run registers its model version in MLflow",
+            outcome=f"checkpoint at iteration 3; {_OUTCOME}",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("stage", "checkpointed"), STAGES)
+def test_a_run_killed_in_any_stage_resumes_to_the_uninterrupted_result(
+    stage, checkpointed, uninterrupted, tmp_path, request
+):
+    """A flow SIGKILLed in any stage of an iteration resumes to the uninterrupted result (issue
+    25, item 10): killed in training, its resumed run waited forever for the `gpu` slot the
+    dead run held, and the temporary Prefect server outlived the kill."""
     env = _env(tmp_path)
     killed = tmp_path / "runs" / "killed"
     proc = subprocess.Popen(
@@ -133,34 +269,20 @@ def test_a_run_killed_in_iteration_2_resumes_to_the_uninterrupted_result(tmp_pat
         start_new_session=True,
     )
     try:
-        _kill_in_iteration_2(proc, killed)
+        _kill_in(stage, proc, killed, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
-        # What the killed process started and nothing stops now (Prefect's temporary server).
+        # Whatever the killed process started and outlived it.
         request.addfinalizer(lambda: _kill_group(proc.pid))
     checkpoint = json.loads((killed / "checkpoint.json").read_text())
-    assert checkpoint["iteration"] == 1  # iteration 2 was under way, not finished
+    assert checkpoint["iteration"] == checkpointed
     _wait_for_policy_server_to_exit(killed / "store.duckdb")
+    _wait_for_prefect_server_to_exit(tmp_path)
 
-    resumed = subprocess.run(
-        _command("--resume", "killed", "--run-dir", str(tmp_path / "runs")),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    whole = subprocess.run(
-        _command(
-            "--config", str(_config(tmp_path, "whole", "resume-whole")), "--run-name", "whole"
-        ),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed = _run(["--resume", "killed", "--run-dir", str(tmp_path / "runs")], env)
+    assert "not all flushed" not in resumed.stderr
+    assert not _slots_held(tmp_path)  # the dead run's slot was released, the resumed run's too
 
     summary = json.loads((killed / "summary.json").read_text())
     uri = f"sqlite:///{tmp_path}/killed-mlflow.db"
@@ -174,7 +296,7 @@ def test_a_run_killed_in_iteration_2_resumes_to_the_uninterrupted_result(tmp_pat
     # Adapters v1-v3, and v3 as the uninterrupted run with the same seed trained it.
     for version in (1, 2, 3):
         assert (killed / "adapters" / f"v{version}" / "adapter_model.safetensors").exists()
-    mine, theirs = _adapter(killed, 3), _adapter(tmp_path / "runs" / "whole", 3)
+    mine, theirs = _adapter(killed, 3), _adapter(uninterrupted, 3)
     assert mine.keys() == theirs.keys()
     for key in mine:
         assert (mine[key] - theirs[key]).abs().max().item() <= 1e-5, key

@@ -16,6 +16,7 @@ import pytest
 from lightning_core import semconv
 from lightning_core.agent_ref import load_agent
 from lightning_core.errors import InvalidInput
+from lightning_core.keys import agent_key
 from lightning_core.runner import EXCEPTION_SPAN, AttemptResult, Runner, RunnerConfig
 from lightning_core.serving import start_serve, stop_serve
 from lightning_core.store.client import HttpStoreClient
@@ -74,7 +75,8 @@ async def test_sync_and_async_agents_succeed_with_their_rewards(make_store):
     prefix = f"/rollouts/{returned[0].rollout_id}/attempts/{first.attempt_id}/v1"
     assert by_model["v3"].base_url.endswith(prefix)
     assert by_model["base"].sampling == sampling and by_model["v3"].sampling == {}
-    assert by_model["v3"].api_key == "k"
+    # Each agent gets its attempt's key, never the runner's (keys.agent_key).
+    assert by_model["v3"].api_key == agent_key("k", first.attempt_id)
 
 
 def failing_agent(task: Any, llm: LLMEndpoint) -> float:

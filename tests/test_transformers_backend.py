@@ -295,8 +295,9 @@ async def test_failed_adapter_load_leaves_the_model_as_it_was(
 ):
     with pytest.raises(InvalidInput, match="not a PEFT adapter folder"):
         await backend.load_adapter("broken", str(tmp_path))
-    # A config without its weights: PEFT injects the layers, then fails to load them.
+    # A config with broken weights: PEFT injects the layers, then fails to load them.
     shutil.copy(adapter_dir / "adapter_config.json", tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(InvalidInput, match="cannot load LoRA adapter 'broken'"):
         await backend.load_adapter("broken", str(tmp_path))
     assert backend.adapters() == []
@@ -547,7 +548,7 @@ async def test_a_bad_schema_fails_the_request_before_it_runs(backend, prompts):
         with pytest.raises(InvalidInput, match="schema"):
             await backend.generate(request)
         with pytest.raises(InvalidInput, match="schema"):
-            backend.stream(request)
+            [delta async for delta in backend.stream(request)]  # compiled off the loop
     assert backend.stats()["waiting"] == 0
 
 

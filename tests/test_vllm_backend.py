@@ -251,13 +251,16 @@ async def test_json_object_constraint_gives_json(backend):
 async def test_attach_to_a_running_server(backend, tmp_path):
     request = greedy(chat(backend, "Name a color."), 12)
     [launched] = await backend.generate(request)
-    async with VLLMBackend(url=backend.url) as attached:
+    # The launched server asks for its key (server.py); an attached client sends it too.
+    async with VLLMBackend(url=backend.url, api_key=backend.server_key) as attached:
         assert attached.base_model == backend.base_model
         [choice] = await attached.generate(request)
         assert choice.token_ids == launched.token_ids
 
     with pytest.raises(InvalidInput, match="served_model_name"):
-        await VLLMBackend(url=backend.url, served_model_name="other").start()
+        await VLLMBackend(
+            url=backend.url, served_model_name="other", api_key=backend.server_key
+        ).start()
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]

@@ -13,7 +13,7 @@ import pytest
 from lightning_core import semconv
 from lightning_core.app import create_app
 from lightning_core.backends.vllm_backend import VLLMBackend
-from lightning_core.gateway.service import Gateway
+from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.models import default_model_dir
 from lightning_core.store.duckdb_store import DuckDBStore
 from tests.conftest import ThreadedServer
@@ -85,7 +85,8 @@ def test_chat_and_a_runtime_lora_through_the_gateway_on_vllm(tmp_path):
     adapter = _adapter(tmp_path / "v1")
     store = DuckDBStore(db=":memory:")
     backend = VLLMBackend()  # the app starts it (launching vLLM) on its own loop
-    app = create_app(store, gateway=Gateway(backend, store))
+    config = GatewayConfig(adapter_roots=[str(tmp_path)])  # adapters load from here only
+    app = create_app(store, gateway=Gateway(backend, store, config))
     with (
         ThreadedServer(app, start_timeout=900) as server,
         httpx.Client(base_url=server.url, timeout=120) as http,

@@ -3,7 +3,9 @@
 Expressions are parsed with `ast` and only numbers, + - * / // % **, unary signs and parentheses
 are evaluated; anything else (names, calls, attributes) is refused. Sizes are bounded so that a
 model cannot make the tool hang or eat memory (`9**9**9`): the text length, the nesting depth,
-exponents and the magnitude of every intermediate value.
+exponents and the magnitude of every intermediate value. Every value is real: a power that
+would be complex (`(-8)**0.5`) is refused, and any arithmetic error is a CalculatorError, so the
+tool fails cleanly (with its span) and never raises past its caller.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def _normalise(expression: str) -> str:
     return _THOUSANDS.sub("", text)
 
 
-def _check(value: float | int) -> float | int:
+def _check(value: float | int | complex) -> float | int:
+    if isinstance(value, complex):  # Python's power of a negative base to a fraction
+        raise CalculatorError("the result is not a real number")
     if isinstance(value, float) and not math.isfinite(value):
         raise CalculatorError("the result is not a finite number")
     if abs(value) > MAX_MAGNITUDE:
@@ -66,11 +70,15 @@ def _eval(node: ast.AST, depth: int) -> float | int:
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise CalculatorError(f"exponents above {MAX_EXPONENT} are not allowed")
         try:
-            return _check(_BINARY[type(node.op)](left, right))
+            value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise CalculatorError("division by zero") from None
         except OverflowError:
             raise CalculatorError("a value is too large") from None
+        except (ArithmeticError, TypeError, ValueError) as exc:
+            # Whatever else arithmetic raises is the expression's fault, not the tool's.
+            raise CalculatorError(f"cannot calculate this: {exc}") from None
+        return _check(value)
     raise CalculatorError(f"only numbers and + - * / // % ** ( ) are allowed, not {_what(node)}")
 
 

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_core.adapter_folder import AdapterRules, adapter_config
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.constrained import GrammarReplay, MaskedSpan, renormalise
 from lightning_core.algo.losses import entropy_from_logits, k3, likelihood_loss, policy_loss
@@ -52,6 +53,23 @@ def agent_adapter_dirs(folder: str | Path) -> dict[str, Path]:
     return {sub.name: sub for sub in sorted(folder.iterdir()) if (sub / ADAPTER_CONFIG).is_file()}
 
 
+def _load_state(path: Path, device: torch.device) -> dict[str, Any]:
+    """The optimizer state, version and RNG state `save` wrote: tensors, numbers and
+    containers, loaded without unpickling anything else (the file may come from the
+    registry, where a pickle would run its writer's code here)."""
+    try:
+        saved = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:
+        raise InvalidInput(
+            f"{path} is not a trainer state this trainer wrote: it holds more than tensors, "
+            f"numbers and containers, and is not loaded ({str(exc).splitlines()[0][:300]}); "
+            f"delete it to start the optimizer afresh from the adapter"
+        ) from exc
+    if not isinstance(saved, dict) or not {"optimizer", "version", "rng"} <= saved.keys():
+        raise InvalidInput(f"{path} lacks the optimizer, version and rng a trainer state holds")
+    return saved
+
+
 class LoRATrainer:
     """Trains a LoRA adapter on top of a frozen base model."""
 
@@ -72,6 +90,9 @@ class LoRATrainer:
             base.gradient_checkpointing_enable()
             base.enable_input_require_grads()
         if adapter is not None:
+            # The folder may come from the registry (warm_start=champion): whoever registered
+            # it chose its files, so they are checked before PEFT reads them.
+            adapter_config(Path(adapter), self._adapter_limits())
             self.model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
         else:
             layers = base.config.num_hidden_layers
@@ -91,13 +112,23 @@ class LoRATrainer:
         self.version = 0
         state = Path(adapter) / STATE_FILE if adapter is not None else None
         if state is not None and state.is_file():
-            saved = torch.load(state, map_location=self.device, weights_only=False)
+            saved = _load_state(state, self.device)
             self.optimizer.load_state_dict(saved["optimizer"])
             self.version = saved["version"]
             torch.set_rng_state(saved["rng"])
         self.pad_id = 0
         # Constrained calls are renormalised over what their grammar allowed (constrained.py).
         self._grammar = GrammarReplay(config.model, base.get_input_embeddings().num_embeddings)
+
+    def _adapter_limits(self) -> AdapterRules:
+        # An adapter this config trains is never refused for its own rank or modules.
+        lora, defaults = self.config.lora, AdapterRules()
+        return AdapterRules(
+            max_adapter_rank=max(defaults.max_adapter_rank, lora.rank),
+            max_adapter_target_modules=max(
+                defaults.max_adapter_target_modules, len(lora.target_modules)
+            ),
+        )
 
     # ------------------------------------------------------------------ batching
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -64,6 +65,10 @@ def _parallel() -> llguidance.LLExecutor:
         return _executor
 
 
+# How llguidance words a parser limit it hit (llguidance 1.9: "...; max is 2000").
+_PARSER_LIMIT = re.compile(r"max is \d+")
+
+
 class TokenMatcher:
     """Where one completion stands in its grammar."""
 
@@ -73,11 +78,31 @@ class TokenMatcher:
         self._vocab_size = vocab_size
         self._terminated = False
 
+    def copy(self) -> TokenMatcher:
+        """A matcher at the same point (~15 µs; it shares the lexer states built so far)."""
+        return TokenMatcher(self._matcher.deep_copy(), self._eos, self._vocab_size)
+
+    def error(self) -> InvalidInput | None:
+        """Why llguidance gave up on this completion (a limit its grammar hit), if it did."""
+        if not self._matcher.is_error():
+            return None
+        return InvalidInput(
+            f"the structured-output grammar failed while generating: {_first_line(self)}; a "
+            "right-recursive rule or a choice among many alternatives fills a parser row: "
+            "make the rule left-recursive or use fewer alternatives"
+        )
+
     def accept(self, token_id: int) -> None:
-        """Advance by a sampled token; RuntimeError if the grammar does not allow it."""
+        """Advance by a sampled token; InvalidInput if llguidance gave up on the grammar here
+        (a parser limit), RuntimeError if the grammar does not allow the token."""
         if self._terminated:
             raise RuntimeError(f"token {token_id} after EOS: the constrained completion is over")
         if not self._matcher.consume_token(token_id):
+            # llguidance says which: advancing over the token passed one of its parser limits
+            # ("Current row has 2101 items; max is 2000": the grammar's doing), or the token was
+            # forbidden (a sampling bug, or text that is not in the grammar).
+            if _PARSER_LIMIT.search(_first_line(self)):
+                raise self.error() or RuntimeError(self._matcher.get_error())
             raise RuntimeError(
                 f"token {token_id} is not allowed by the grammar here; sample under "
                 f"allowed_tokens() ({self._matcher.get_error()})"
@@ -88,6 +113,11 @@ class TokenMatcher:
     def is_terminated(self) -> bool:
         """True once EOS has been accepted: the completion is over and its text is valid."""
         return self._terminated
+
+
+def _first_line(matcher: TokenMatcher) -> str:
+    # llguidance's verbose errors go on with the parser state and the grammar: not for clients.
+    return matcher._matcher.get_error().split("\n", 1)[0][:500]
 
 
 class GrammarCompiler:
@@ -126,14 +156,24 @@ class GrammarCompiler:
             return TokenMatcher(template.deep_copy(), self.eos_token_id, self.vocab_size)
 
     def _compile(self, grammar: str, kind: str) -> llguidance.LLMatcher:
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        """The grammar's matcher, its first mask computed: a grammar llguidance cannot start is
+        refused here (400) rather than in the engine, and its lexer is built off the engine
+        thread."""
+        try:
+            template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if not template.is_error():
+                probe = template.deep_copy()
+                probe.compute_bitmask()
+                if probe.is_error():
+                    template = probe
+        except Exception as e:  # llguidance reports grammar errors by state; anything else too
+            raise InvalidInput(f"structured outputs: grammar not usable: {e}") from e
         if template.is_error():
+            error = template.get_error().split("\n", 1)[0][:500]
             if kind == "grammar":
-                raise InvalidInput(
-                    f"structured_outputs: invalid or unsupported grammar: {template.get_error()}"
-                )
+                raise InvalidInput(f"structured_outputs: invalid or unsupported grammar: {error}")
             raise InvalidInput(
-                f"response_format: invalid or unsupported JSON schema: {template.get_error()}; "
+                f"response_format: invalid or unsupported JSON schema: {error}; "
                 "fix the schema or drop the keywords named there"
             )
         return template
@@ -158,10 +198,14 @@ def _source(constraint: Constraint) -> tuple[str, Callable[[], str]]:
         whitespace = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=whitespace)
-        except ValueError as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise InvalidInput(f"response_format: invalid JSON schema: {e}") from e
 
-    return "json:" + json.dumps(schema, sort_keys=True), build
+    try:
+        key = "json:" + json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InvalidInput(f"response_format: invalid JSON schema: {e}") from e
+    return key, build
 
 
 @functools.cache

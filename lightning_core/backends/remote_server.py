@@ -134,15 +134,13 @@ def serve_replica(
     model: str | None, port: int, options: dict[str, Any], log_level: str = "warning"
 ) -> None:
     """Load a transformers backend and serve it on 127.0.0.1:`port` until SIGINT."""
-    import uvicorn
-
     from lightning_core import serving
     from lightning_core.backends import create_backend
+    from lightning_core.http_edge import HttpLimits, run_server
 
     serving.limit_malloc_arenas(2)  # as `serve` does (serving.limit_malloc_arenas says why)
     backend = create_backend("transformers", model, options=options)
     assert backend is not None
     app = create_replica_app(backend, os.environ.get(KEY_ENV) or None)
-    uvicorn.run(
-        app, host="127.0.0.1", port=port, log_level=log_level, timeout_keep_alive=KEEPALIVE_S
-    )
+    # The edge's defaults: the gateway, its one client, sends whole requests at once.
+    run_server(app, "127.0.0.1", port, log_level, KEEPALIVE_S, HttpLimits())

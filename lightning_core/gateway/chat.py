@@ -156,6 +156,17 @@ def _fallback_messages(
     return out
 
 
+def text_size(message: dict[str, Any]) -> int:
+    """Characters of a message's text content, all of which its rendered prompt holds."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        texts = (p.get("text") for p in content if isinstance(p, dict))
+        return sum(len(text) for text in texts if isinstance(text, str))
+    return 0
+
+
 def render_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],

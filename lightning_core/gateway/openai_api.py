@@ -11,7 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lightning_core.backends.base import Choice, GenerationRequest
+from lightning_core.backends.base import Choice, Constraint, GenerationRequest
+from lightning_core.backends.grammar_limits import check_constraint
 from lightning_core.backends.text import IncrementalText
 from lightning_core.errors import InvalidInput, LightningError
 from lightning_core.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -27,6 +28,7 @@ from lightning_core.gateway.service import (
     new_id,
 )
 from lightning_core.gateway.sse import DONE, sse
+from lightning_core.offload import off_loop
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -184,12 +186,20 @@ class OpenAIAPI:
 
     # ------------------------------------------------------------------ text completions
 
+    def _prompts_ids(
+        self, prompts: list[str | list[int]], constraint: Constraint | None
+    ) -> list[list[int]]:
+        """Each prompt's token ids, the prompts' and the grammar's limits checked: CPU work in
+        proportion to the request, for a worker thread (`off_loop`)."""
+        check_constraint(constraint)
+        return [self._prompt_ids(prompt) for prompt in prompts]
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         tokenizer = self.gateway.tokenizer
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInput("prompt must not be empty")
-            self.gateway.check_prompt_text(prompt)
+            self.gateway.check_prompt_text(len(prompt))
             return tokenizer(prompt)["input_ids"]
         vocab = len(tokenizer)
         if not prompt or any(not 0 <= t < vocab for t in prompt):
@@ -229,15 +239,16 @@ class OpenAIAPI:
         params = req.sampling(
             gateway.max_tokens(req.max_tokens), req.logprobs or 0, req.structured_constraint()
         )
+        prompts = await off_loop(self._prompts_ids, req.prompts(), params.constraint)
         requests = [
             GenerationRequest(
-                prompt_token_ids=self._prompt_ids(p),
+                prompt_token_ids=ids,
                 params=params,
                 n=req.n,
                 adapter=adapter,
                 affinity=gateway.affinity(ctx),
             )
-            for p in req.prompts()
+            for ids in prompts
         ]
         gateway.limits.check_size(
             sum(len(r.prompt_token_ids) for r in requests),

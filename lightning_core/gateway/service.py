@@ -29,8 +29,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from lightning_core.adapter_folder import AdapterRules, check_adapter
 from lightning_core.backends.base import (
     Backend,
     Choice,
@@ -38,18 +39,20 @@ from lightning_core.backends.base import (
     SamplingParams,
     StreamDelta,
 )
+from lightning_core.backends.grammar_limits import check_constraint
 from lightning_core.backends.text import IncrementalText
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.gateway import chat as chat_format
-from lightning_core.gateway.limits import CallLimits, CallSlot
+from lightning_core.gateway.limits import CallLimits, CallSlot, chars_per_token
 from lightning_core.gateway.protocol import model_object
 from lightning_core.gateway.spans import LLMCall, llm_call_span
+from lightning_core.offload import off_loop
 from lightning_core.store.base import SpanRecorder
 from lightning_core.types import PolicyVersion, episode_rollout_id
 
 
-class GatewayConfig(BaseModel):
-    """How the gateway answers."""
+class GatewayConfig(AdapterRules):
+    """How the gateway answers, and which adapters it loads (AdapterRules)."""
 
     default_max_tokens: int = Field(
         512, ge=1, description="Completion length when a request sets no max_tokens."
@@ -244,16 +247,12 @@ class Gateway:
         return self.backend.tokenizer
 
     @functools.cached_property
-    def longest_token(self) -> int:
-        """Characters of the longest token piece (81 for SmolLM2's): bounds how much text one
-        token can stand for, so a prompt can be refused before it is tokenized."""
-        tokenizer = self.tokenizer
-        return max(
-            len(p) for p in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if p
-        )
+    def chars_per_token(self) -> int:
+        return chars_per_token(self.tokenizer)
 
-    def check_prompt_text(self, text: str) -> None:
-        self.limits.check_text(len(text), self.longest_token)
+    def check_prompt_text(self, chars: int) -> None:
+        """400 for prompt text too long to tokenize (limits.CHARS_PER_TOKEN)."""
+        self.limits.check_text(chars, self.chars_per_token)
 
     # ------------------------------------------------------------------ models
 
@@ -294,23 +293,26 @@ class Gateway:
                 return await self.adapter_for(version.agent_policies[agent])
         if version.adapter_path is None:
             return None
+        folder = str(await asyncio.to_thread(check_adapter, version.adapter_path, self.config))
         async with self._loading:
             if model not in self.backend.adapters():
-                await self.backend.load_adapter(model, version.adapter_path)
+                await self.backend.load_adapter(model, folder)
         return model
 
     async def load_version(self, version: PolicyVersion) -> bool:
         """Load a new policy version's adapter (on every replica) before the store registers
         it, so that no call sees the version unloaded anywhere; True if this loaded it. One the
-        store has already is left as it is (the store refuses it again)."""
+        store has already is left as it is (the store refuses it again). Its folder must pass
+        the adapter rules (adapter_folder.py) before any backend, or the Hub, sees it."""
         if version.adapter_path is None:
             return False
+        folder = str(await asyncio.to_thread(check_adapter, version.adapter_path, self.config))
         if self.store is not None:
             with contextlib.suppress(NotFound):
                 await self.store.get_policy_version(version.name)
                 return False
         async with self._loading:
-            await self.backend.load_adapter(version.name, version.adapter_path)
+            await self.backend.load_adapter(version.name, folder)
         return True
 
     def published(self, version: PolicyVersion) -> None:
@@ -395,12 +397,8 @@ class Gateway:
     async def _prepare(self, call: ChatCall, ctx: CallContext) -> GenerationRequest:
         self.check_rollout(ctx)
         adapter = await self.adapter_for(call.model, ctx.agent_name)
-        prompt = chat_format.render_chat(
-            self.tokenizer, call.messages, call.tools, self.config.tool_format
-        )
-        self.check_prompt_text(prompt)
         request = GenerationRequest(
-            prompt_token_ids=chat_format.encode(self.tokenizer, prompt),
+            prompt_token_ids=await off_loop(self._chat_prompt, call),
             params=call.params,
             n=call.n,
             adapter=adapter,
@@ -408,6 +406,17 @@ class Gateway:
         )
         self.limits.check_size(len(request.prompt_token_ids), call.n, call.params.max_new_tokens)
         return request
+
+    def _chat_prompt(self, call: ChatCall) -> list[int]:
+        """The call's prompt token ids, its limits checked first (on a worker thread)."""
+        check_constraint(call.params.constraint)
+        # The prompt holds all the messages' text: too much of it is refused unrendered.
+        self.check_prompt_text(sum(map(chat_format.text_size, call.messages)))
+        prompt = chat_format.render_chat(
+            self.tokenizer, call.messages, call.tools, self.config.tool_format
+        )
+        self.check_prompt_text(len(prompt))
+        return chat_format.encode(self.tokenizer, prompt)
 
     async def admit(self, ctx: CallContext, request: GenerationRequest) -> CallSlot:
         """Open the call's production episode, if it has one, so that it is recorded there;

@@ -53,6 +53,15 @@ class SpanRecorder(Protocol):
 # "latest" selects the newest attempt of each rollout, which is what a trainer wants after retries.
 AttemptSelector = Literal["latest"] | str | None
 
+# Over HTTP, queries answer in pages: `POST /store/rollouts/query {}` once sent the whole store
+# (100 MB) in one body, held in the server's memory while it went out. A page is at most
+# MAX_PAGE_SIZE items (PAGE_SIZE when the request names no limit); when more are left the
+# answer carries NEXT_PAGE_HEADER, an opaque cursor to send back as `after`. The Python API
+# returns whole results: HttpStoreClient follows the cursors itself.
+PAGE_SIZE = 1_000
+MAX_PAGE_SIZE = 10_000
+NEXT_PAGE_HEADER = "x-lightning-next-page"
+
 
 @runtime_checkable
 class LightningStore(Protocol):
@@ -109,9 +118,14 @@ class LightningStore(Protocol):
         ...
 
     async def add_spans(self, spans: Sequence[Span]) -> int:
-        """Store spans; returns how many were accepted.
+        """Store spans; returns how many were new.
 
-        A span re-sent while its attempt runs (an exporter's retry) is stored once.
+        Spans are idempotent by (attempt, trace id, span id): a span sent again (an exporter's
+        retry) is read back once. One re-sent while its attempt runs is not stored again and
+        not counted; one re-sent after its attempt ended (or to a production episode) is
+        counted, as the store no longer keeps that attempt's ids in memory, but every query
+        still returns it once. (An HTTP client that sent concurrent calls in one request
+        counts each call's spans as sent.)
         """
         ...
 

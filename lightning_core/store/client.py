@@ -33,7 +33,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import LightningError, StoreUnavailable, error_from_answer
 from lightning_core.keys import bearer_header
-from lightning_core.store.base import AttemptSelector
+from lightning_core.store.base import MAX_PAGE_SIZE, NEXT_PAGE_HEADER, AttemptSelector
 from lightning_core.types import (
     Attempt,
     Claim,
@@ -76,7 +76,7 @@ class _SpanBatcher:
         while self._waiting:
             batch, self._waiting = self._waiting, []
             try:
-                await self._send([s for spans, _ in batch for s in spans])
+                count = await self._send([s for spans, _ in batch for s in spans])
             except LightningError as exc:
                 if len(batch) == 1:
                     batch[0][1].set_exception(exc)
@@ -93,6 +93,10 @@ class _SpanBatcher:
                 for _, future in batch:
                     future.set_exception(exc)
                 continue
+            if len(batch) == 1:
+                batch[0][1].set_result(count)
+                continue
+            # The store counted the spans new to it in the whole request, not per caller.
             for spans, future in batch:
                 future.set_result(len(spans))
 
@@ -173,11 +177,13 @@ class HttpStoreClient:
         timeout: float | None = None,
         repeatable: bool = True,
         retry_s: float | None = None,
+        paged: bool = False,
     ):
         """One request, sent again while the store is unreachable, for up to `retry_s`.
 
         `repeatable`: a repeat of a request whose answer was lost does no harm (see the module
         docstring); otherwise only requests that never reached the server are sent again.
+        `paged`: the answer is a page of a query; returns it and the next page's cursor.
         """
         content = orjson.dumps(body) if body is not None else None
         extra = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout is not None else {}
@@ -192,6 +198,7 @@ class HttpStoreClient:
                 ) as response:
                     payload = await response.read()
                     status = response.status
+                    following = response.headers.get(NEXT_PAGE_HEADER)
                 break
             except (aiohttp.ClientError, TimeoutError) as exc:
                 never_sent = isinstance(exc, aiohttp.ClientConnectorError)
@@ -215,7 +222,21 @@ class HttpStoreClient:
                 await asyncio.sleep(delay)
         if status >= 400:
             raise error_from_answer(status, payload)
-        return orjson.loads(payload) if payload else None
+        data = orjson.loads(payload) if payload else None
+        return (data, following) if paged else data
+
+    async def _query(self, path: str, body: dict[str, Any], limit: int | None = None) -> list[Any]:
+        """Every item of a paged query (the first `limit`), page after page (base.PAGE_SIZE)."""
+        items: list[Any] = []
+        after = None
+        while True:
+            size = MAX_PAGE_SIZE if limit is None else min(MAX_PAGE_SIZE, limit - len(items))
+            page, after = await self._call(
+                "POST", path, {**body, "limit": size, "after": after}, paged=True
+            )
+            items += page
+            if after is None or (limit is not None and len(items) >= limit):
+                return items
 
     async def _send_spans(self, spans: list[dict[str, Any]]) -> int:
         return (await self._call("POST", "/store/spans", {"spans": spans}))["count"]
@@ -282,9 +303,8 @@ class HttpStoreClient:
             "status": [RolloutStatus(s).value for s in status] if status else None,
             "mode": RolloutMode(mode).value if mode else None,
             "group_id": group_id,
-            "limit": limit,
         }
-        data = await self._call("POST", "/store/rollouts/query", body)
+        data = await self._query("/store/rollouts/query", body, limit)
         return [Rollout.model_validate(r) for r in data]
 
     async def query_attempts(self, rollout_id: str) -> list[Attempt]:
@@ -292,14 +312,15 @@ class HttpStoreClient:
         return [Attempt.model_validate(a) for a in data]
 
     async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: float) -> list[Rollout]:
-        # The server caps one wait; longer waits are several requests.
+        # The server caps one wait; longer waits are several requests. It counts each id once.
+        ids = list(dict.fromkeys(rollout_ids))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             chunk = min(max(deadline - loop.time(), 0.0), 30.0)
-            body = {"rollout_ids": list(rollout_ids), "timeout": chunk}
+            body = {"rollout_ids": ids, "timeout": chunk}
             data = await self._call("POST", "/store/wait", body, timeout=chunk + 30)
-            if len(data) == len(rollout_ids) or loop.time() >= deadline:
+            if len(data) == len(ids) or loop.time() >= deadline:
                 return [Rollout.model_validate(r) for r in data]
 
     # ------------------------------------------------------------------ spans
@@ -313,9 +334,7 @@ class HttpStoreClient:
         self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
     ) -> list[Span]:
         body = {"rollout_ids": list(rollout_ids), "attempt_id": attempt_id}
-        return [
-            Span.model_validate(s) for s in await self._call("POST", "/store/spans/query", body)
-        ]
+        return [Span.model_validate(s) for s in await self._query("/store/spans/query", body)]
 
     # ------------------------------------------------------------------ transitions
 
@@ -333,7 +352,7 @@ class HttpStoreClient:
             "rollout_ids": list(rollout_ids) if rollout_ids is not None else None,
             "policy_version": policy_version,
         }
-        data = await self._call("POST", "/store/transitions/query", body)
+        data = await self._query("/store/transitions/query", body)
         return [Transition.model_validate(t) for t in data]
 
     # ------------------------------------------------------------------ policy versions
@@ -382,12 +401,15 @@ class HttpStoreClient:
         through_seq: int | None = None,
         episode_ids: Sequence[str] | None = None,
     ) -> list[Feedback]:
+        if through_seq is None and episode_ids is None:
+            # Every page must read the same window, which new feedback would widen.
+            through_seq = await self.feedback_watermark()
         body = {
             "after_seq": after_seq,
             "through_seq": through_seq,
             "episode_ids": list(episode_ids) if episode_ids is not None else None,
         }
-        data = await self._call("POST", "/feedback/query", body)
+        data = await self._query("/feedback/query", body)
         return [Feedback.model_validate(f) for f in data]
 
     async def feedback_watermark(self) -> int:

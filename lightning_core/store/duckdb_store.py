@@ -13,7 +13,7 @@ How it stays fast and durable at once:
 On start the live state is rebuilt from the latest row of each rollout and attempt in the logs.
 
 Parts of the class live beside it: policy versions (policies.py), production episodes and their
-feedback (episodes.py).
+feedback (episodes.py), transitions (transitions.py), and the paging of read queries (pages.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from lightning_core.store import schema
 from lightning_core.store.base import AttemptSelector
 from lightning_core.store.config import StoreConfig
 from lightning_core.store.episodes import EpisodeStore
+from lightning_core.store.pages import read_cursor
 from lightning_core.store.policies import PolicyVersionStore
+from lightning_core.store.transitions import TransitionStore
 from lightning_core.store.worker import DatabaseWorker
 from lightning_core.types import (
     Attempt,
@@ -49,7 +51,6 @@ from lightning_core.types import (
     RolloutRequest,
     RolloutStatus,
     Span,
-    Transition,
     new_id,
     now,
 )
@@ -75,7 +76,7 @@ class _Signal:
             await asyncio.wait_for(self._event.wait(), timeout)
 
 
-class DuckDBStore(PolicyVersionStore, EpisodeStore):
+class DuckDBStore(PolicyVersionStore, EpisodeStore, TransitionStore):
     """LightningStore backed by a DuckDB file (or ':memory:' for tests)."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides: Any) -> None:
@@ -87,10 +88,13 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
         self._attempts: dict[str, Attempt] = {}
         self._attempts_of: dict[str, list[str]] = defaultdict(list)
         self._queue: deque[str] = deque()
-        # Per running attempt: the watchdog's work list, the span ids seen (an exporter's retry is
-        # stored once) and the last primary reward (the default final reward).
+        # Every rollout id in the order the store first saw it (the order it loads them in too):
+        # a page of a query resumes at an offset into it, which no later rollout moves.
+        self._rollout_order: list[str] = []
+        # Per running attempt: the watchdog's work list, the (trace id, span id) pairs seen (an
+        # exporter's retry is stored once) and the last primary reward (the default final reward).
         self._running: dict[str, Attempt] = {}
-        self._seen_spans: dict[str, set[str]] = defaultdict(set)
+        self._seen_spans: dict[str, set[tuple[str, str]]] = defaultdict(set)
         self._last_reward: dict[str, float] = {}
         self._log_seq = 0
         self._span_seq = 0
@@ -116,6 +120,7 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
         for row in state["rollouts"]:
             rollout = Rollout.model_validate(row)
             self._rollouts[rollout.rollout_id] = rollout
+            self._rollout_order.append(rollout.rollout_id)
             if rollout.status in (RolloutStatus.queuing, RolloutStatus.requeuing):
                 self._queue.append(rollout.rollout_id)
         restarted_at = now()
@@ -273,6 +278,7 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
             raise InvalidInput("two rollouts of one enqueue have the same rollout_id")
         for rollout in created:
             self._rollouts[rollout.rollout_id] = rollout
+            self._rollout_order.append(rollout.rollout_id)
             self._queue.append(rollout.rollout_id)
             self._log_rollout(rollout)
         if created:
@@ -386,22 +392,38 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
         group_id: str | None = None,
         limit: int | None = None,
     ) -> list[Rollout]:
-        if rollout_ids is not None:
-            candidates = [self._rollouts[i] for i in rollout_ids if i in self._rollouts]
-        else:
-            candidates = list(self._rollouts.values())
+        rollouts, _ = await self.query_rollouts_page(rollout_ids, status, mode, group_id, limit)
+        return rollouts
+
+    async def query_rollouts_page(
+        self,
+        rollout_ids: Sequence[str] | None = None,
+        status: Sequence[RolloutStatus] | None = None,
+        mode: RolloutMode | None = None,
+        group_id: str | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> tuple[list[Rollout], str | None]:
+        """The first `limit` matching rollouts (all: None) after cursor `after`, in the order
+        named (`rollout_ids`, each once) or else of arrival, and the next page's cursor (None
+        when none is left): how far the scan came, so that filters need no index."""
+        ids = list(dict.fromkeys(rollout_ids)) if rollout_ids is not None else self._rollout_order
+        position = read_cursor(after, int, "rollouts")
         wanted = set(status) if status else None
-        out = [
-            r
-            for r in candidates
-            if (wanted is None or r.status in wanted)
-            and (mode is None or r.mode == mode)
-            and (group_id is None or r.group_id == group_id)
-        ]
-        if limit is not None:
-            out = out[:limit]
+        out: list[Rollout] = []
+        while position < len(ids) and (limit is None or len(out) < limit):
+            r = self._rollouts.get(ids[position])
+            position += 1
+            if (
+                r is not None
+                and (wanted is None or r.status in wanted)
+                and (mode is None or r.mode == mode)
+                and (group_id is None or r.group_id == group_id)
+            ):
+                out.append(r)
+        following = str(position) if position < len(ids) and limit != 0 else None
         await self._sync()
-        return [r.model_copy(deep=True) for r in out]
+        return [r.model_copy(deep=True) for r in out], following
 
     async def query_attempts(self, rollout_id: str) -> list[Attempt]:
         self._rollout(rollout_id)
@@ -410,7 +432,8 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
 
     async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: float) -> list[Rollout]:
         self._start_background()
-        rollouts = [self._rollout(i) for i in rollout_ids]
+        # Each id once: every waiter rescans its list whenever any rollout finishes.
+        rollouts = [self._rollout(i) for i in dict.fromkeys(rollout_ids)]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout, 0.0)
         while True:
@@ -424,9 +447,9 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
     # ------------------------------------------------------------------ spans
 
     async def add_spans(self, spans: Sequence[Span]) -> int:
-        self._stage_spans(spans)
+        staged = self._stage_spans(spans)
         await self._sync()
-        return len(spans)
+        return staged
 
     def add_spans_nowait(self, spans: Sequence[Span]) -> None:
         """Record spans without waiting for the disk (the gateway's path, off the call's latency).
@@ -455,7 +478,8 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
             raise NotFound(f"attempt {attempt_id} does not belong to rollout {rollout_id}")
         return attempt
 
-    def _stage_spans(self, spans: Sequence[Span]) -> None:
+    def _stage_spans(self, spans: Sequence[Span]) -> int:
+        """Log the spans not seen before (see add_spans); returns how many it logged."""
         self._start_background()
         # Check the whole batch before touching anything, so it lands whole or not at all.
         for span in spans:
@@ -474,6 +498,7 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
                         f"{semconv.REWARD_VALUE!r}, got {value!r}"
                     )
         t = now()
+        staged = 0
         for span in spans:
             attempt = self._attempts[span.attempt_id]
             # Not an episode's attempt, which never ends: a set of its span ids would grow as long
@@ -481,12 +506,15 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
             running = attempt.attempt_id in self._running
             if running:
                 # Spans are liveness too, and an exporter's retry is stored once. Spans that
-                # arrive after their attempt ended (a slow exporter) are kept as they come.
+                # arrive after their attempt ended (a slow exporter) are kept as they come, and
+                # read back once each (query_spans_json). Why not a unique key in DuckDB: its
+                # index made a small commit 5x slower (16-44 ms, not 3) at 500k spans.
                 attempt.last_heartbeat_at = t
                 seen = self._seen_spans[span.attempt_id]
-                if span.span_id in seen:
+                if (span.trace_id, span.span_id) in seen:
                     continue
-                seen.add(span.span_id)
+                seen.add((span.trace_id, span.span_id))
+            staged += 1
             self._span_seq += 1
             self._log(schema.SPANS, schema.span_row(span, self._span_seq))
             if (
@@ -495,13 +523,20 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
                 and span.attributes.get(semconv.REWARD_PRIMARY, True)
             ):
                 self._last_reward[span.attempt_id] = float(span.attributes[semconv.REWARD_VALUE])
+        return staged
 
     def _latest_attempts(self, rollout_ids: Sequence[str]) -> list[str]:
         return [self._attempts_of[r][-1] for r in rollout_ids if self._attempts_of.get(r)]
 
-    def _span_query(
-        self, rollout_ids: Sequence[str], attempt_id: AttemptSelector
-    ) -> tuple[str, list[Any]]:
+    async def query_spans_json(
+        self,
+        rollout_ids: Sequence[str],
+        attempt_id: AttemptSelector = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> tuple[bytes, str | None]:
+        """Spans as a JSON array, ready for a server to send without parsing: the first `limit`
+        (all: None) after cursor `after`, and the next page's cursor (None when none is left)."""
         for rollout_id in rollout_ids:
             self._rollout(rollout_id)
         sql = "SELECT * EXCLUDE (sequence_id), sequence_id FROM spans WHERE rollout_id IN ?"
@@ -512,55 +547,20 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore):
         elif attempt_id is not None:
             sql += " AND attempt_id = ?"
             params.append(attempt_id)
-        return sql + " ORDER BY sequence_id", params
-
-    async def query_spans_json(
-        self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
-    ) -> bytes:
-        """Spans as a JSON array, ready for a server to send without parsing."""
-        sql, params = self._span_query(rollout_ids, attempt_id)
-        await self._sync()
-        return await self._worker.query(sql, params)
+        # Each span once, as first stored: a span re-sent after its attempt ended is not caught
+        # as it arrives (add_spans), and the same row twice would be one LLM call trained twice.
+        sql = (
+            f"SELECT * FROM ({sql} QUALIFY row_number() OVER (PARTITION BY attempt_id, trace_id, "
+            "span_id ORDER BY sequence_id) = 1) WHERE sequence_id > ? ORDER BY sequence_id"
+        )
+        params.append(read_cursor(after, int, "spans"))
+        return await self._page(sql, params, limit, ("sequence_id",))
 
     async def query_spans(
         self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
     ) -> list[Span]:
-        rows = orjson.loads(await self.query_spans_json(rollout_ids, attempt_id))
+        rows = orjson.loads((await self.query_spans_json(rollout_ids, attempt_id))[0])
         return [Span.model_validate(row) for row in rows]
-
-    # ------------------------------------------------------------------ transitions
-
-    async def add_transitions(self, transitions: Sequence[Transition]) -> int:
-        self._start_background()
-        for t in transitions:
-            self._rollout(t.rollout_id)
-            if t.response_logprobs and len(t.response_logprobs) != len(t.response_token_ids):
-                raise InvalidInput(
-                    f"transition {t.rollout_id}#{t.step}: {len(t.response_logprobs)} logprobs "
-                    f"for {len(t.response_token_ids)} response tokens"
-                )
-        for t in transitions:
-            self._log(schema.TRANSITIONS, schema.transition_row(t))
-        await self._sync()
-        return len(transitions)
-
-    async def query_transitions(
-        self,
-        rollout_ids: Sequence[str] | None = None,
-        policy_version: str | None = None,
-    ) -> list[Transition]:
-        sql, params, where = "SELECT * FROM transitions", [], []
-        if rollout_ids is not None:
-            where.append("rollout_id IN ?")
-            params.append(list(rollout_ids) or [""])
-        if policy_version is not None:
-            where.append("policy_version = ?")
-            params.append(policy_version)
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        await self._sync()
-        rows = orjson.loads(await self._worker.query(sql + schema.TRANSITIONS_READ_ORDER, params))
-        return [Transition.model_validate(row) for row in rows]
 
     # ------------------------------------------------------------------ shutdown
 

@@ -22,6 +22,7 @@ import orjson
 from lightning_core.errors import Conflict, InvalidInput, NotFound
 from lightning_core.store import schema
 from lightning_core.types import (
+    MAX_METADATA_BYTES,
     Attempt,
     Feedback,
     FeedbackIn,
@@ -29,6 +30,7 @@ from lightning_core.types import (
     Rollout,
     RolloutMode,
     RolloutStatus,
+    check_payload_size,
     episode_rollout_id,
     new_id,
     now,
@@ -48,6 +50,7 @@ class EpisodeStore:
     _rollouts: dict[str, Rollout]
     _attempts: dict[str, Attempt]
     _attempts_of: dict[str, list[str]]
+    _rollout_order: list[str]
     _written: int
     _worker: DatabaseWorker
 
@@ -58,6 +61,9 @@ class EpisodeStore:
         def _log_rollout(self, rollout: Rollout) -> None: ...
         def _log_attempt(self, attempt: Attempt) -> None: ...
         async def _sync(self, upto: int | None = None) -> None: ...
+        async def _page(
+            self, sql: str, params: list[Any], limit: int | None, cursor: tuple[str, ...]
+        ) -> tuple[bytes, str | None]: ...
 
     def _load_episodes(self, state: dict[str, Any]) -> None:
         # Per production episode (rollout id) just created: the write count once its rows were
@@ -99,6 +105,7 @@ class EpisodeStore:
         self._start_background()
         rollout_id = episode_rollout_id(episode_id)
         if (rollout := self._rollouts.get(rollout_id)) is None:
+            check_payload_size(metadata or {}, "metadata", MAX_METADATA_BYTES)
             t = now()
             rollout = Rollout(
                 rollout_id=rollout_id,
@@ -121,6 +128,7 @@ class EpisodeStore:
             )
             # Not in `_running`: the watchdog never ends an episode.
             self._rollouts[rollout_id] = rollout
+            self._rollout_order.append(rollout_id)
             self._attempts[attempt.attempt_id] = attempt
             self._attempts_of[rollout_id].append(attempt.attempt_id)
             self._log_rollout(rollout)
@@ -172,7 +180,21 @@ class EpisodeStore:
         through_seq: int | None = None,
         episode_ids: Sequence[str] | None = None,
     ) -> list[Feedback]:
-        """The feedback that counts (newest per episode and source, among rows up to
+        rows, _ = await self.query_feedback_json(after_seq, through_seq, episode_ids)
+        return [Feedback.model_validate(row) for row in orjson.loads(rows)]
+
+    async def query_feedback_json(
+        self,
+        after_seq: int = 0,
+        through_seq: int | None = None,
+        episode_ids: Sequence[str] | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> tuple[bytes, str | None]:
+        """As a JSON array, the first `limit` (all: None) after page cursor `after`, and the
+        next page's cursor (None when none is left).
+
+        The feedback that counts (newest per episode and source, among rows up to
         `through_seq`) of the episodes with a row in (after_seq, through_seq], or, with
         `episode_ids`, of those episodes (`after_seq` then plays no part). Ordered by episode
         and source. Read windows end to end ((0, S1], (S1, S2], ...): late feedback on an old
@@ -189,7 +211,7 @@ class EpisodeStore:
                 "from feedback_watermark()"
             )
         if episode_ids is None and after_seq >= through:
-            return []
+            return b"[]", None
         sql = f"SELECT * FROM ({schema.LATEST_FEEDBACK}) WHERE "
         params: list[Any] = [through]
         if episode_ids is not None:
@@ -198,12 +220,27 @@ class EpisodeStore:
         else:
             sql += "episode_id IN (SELECT episode_id FROM feedback WHERE seq > ? AND seq <= ?)"
             params += [after_seq, through]
-        await self._sync()
-        rows = orjson.loads(await self._worker.query(sql + " ORDER BY episode_id, source", params))
-        return [Feedback.model_validate(row) for row in rows]
+        if after is not None:
+            episode_id, source = _feedback_cursor(after)
+            sql += " AND (episode_id, source) > (?, ?)"
+            params += [episode_id, source]
+        return await self._page(
+            sql + " ORDER BY episode_id, source", params, limit, ("episode_id", "source")
+        )
 
     async def feedback_watermark(self) -> int:
         """The highest feedback seq recorded, 0 when none: the end of the next read window."""
         seq = self._feedback_seq
         await self._sync()
         return seq
+
+
+def _feedback_cursor(after: str) -> tuple[str, str]:
+    """The (episode, source) key of the last row of a page, from the cursor the store gave."""
+    try:
+        value = orjson.loads(after)
+    except orjson.JSONDecodeError:
+        value = None
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+        return value[0], value[1]
+    raise InvalidInput(f"cursor {after[:100]!r} of feedback is not one the store gave out")

@@ -132,10 +132,11 @@ TRANSITIONS = Table(
 
 # How transitions are read back: one per (rollout, attempt, step), the last written. A collect
 # task retried after its answer was lost stores its transitions again; reads never double them.
-TRANSITIONS_READ_ORDER = (
-    " QUALIFY row_number() OVER (PARTITION BY rollout_id, attempt_id, step ORDER BY rowid DESC)"
-    " = 1 ORDER BY rollout_id, step"
+TRANSITIONS_LATEST = (
+    "QUALIFY row_number() OVER (PARTITION BY rollout_id, attempt_id, step ORDER BY rowid DESC) = 1"
 )
+# Their read order, one row per key value: pages of a read resume after the last row's key.
+TRANSITIONS_KEY = "(rollout_id, step, coalesce(attempt_id, ''))"
 
 POLICY_VERSIONS = Table(
     "policy_versions",

@@ -9,8 +9,9 @@ them without parsing.
 Protocol: length-prefixed pickle frames on the child's stdin/stdout, `(request_id, op, payload)`
 one way and `(request_id, ok, result)` the other. Requests: `commit` (rows per table, one
 transaction), `query` (SQL and parameters; the answer is a JSON array of row objects whose JSON
-columns are embedded as JSON) and `close`. The child answers a commit only after DuckDB has
-committed (and fsynced) it, and exits when its stdin closes, so it never outlives its store.
+columns are embedded as JSON, and, for a page, the cursor of the next one) and `close`. The
+child answers a commit only after DuckDB has committed (and fsynced) it, and exits when its
+stdin closes, so it never outlives its store.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -126,7 +128,16 @@ class DatabaseWorker:
 
     async def query(self, sql: str, params: list[Any]) -> bytes:
         """Run a read query; the answer is a JSON array of row objects."""
-        return await self._request("query", (sql, params))
+        return (await self._request("query", (sql, params, None)))[0]
+
+    async def query_page(
+        self, sql: str, params: list[Any], limit: int, cursor: Sequence[str]
+    ) -> tuple[bytes, str | None]:
+        """The first `limit` rows of a query ordered by the `cursor` columns, as a JSON array,
+        and the cursor of the next page (None when none is left): the last row's `cursor`
+        values as a JSON array. `sql` must end in `LIMIT ?` and leave that parameter out: it
+        asks for one row more, to know whether a next page exists."""
+        return await self._request("query", (sql, [*params, limit + 1], (limit, tuple(cursor))))
 
     def close(self, timeout: float = 60.0) -> None:
         """Let the worker finish its commits, close the file and exit."""
@@ -199,7 +210,12 @@ def _load(con) -> dict[str, Any]:
     return {
         "log_seq": log_seq or 0,
         "span_seq": con.execute("SELECT max(sequence_id) FROM spans").fetchone()[0] or 0,
-        "rollouts": rows("SELECT * FROM rollouts ORDER BY enqueued_at"),
+        # In the order the store first saw them, as it keeps them: pages of a query resume at a
+        # position in that order, also after a restart.
+        "rollouts": rows(
+            "SELECT rollouts.* FROM rollouts JOIN (SELECT rollout_id, min(log_seq) AS first_seq "
+            "FROM rollout_log GROUP BY rollout_id) USING (rollout_id) ORDER BY first_seq"
+        ),
         "attempts": rows("SELECT * FROM attempts ORDER BY sequence_id"),
         "policy_versions": rows("SELECT * FROM policy_versions"),
         "feedback_seq": feedback_seq,
@@ -268,7 +284,9 @@ def child_main(db: str, threads: int, open_timeout_s: float) -> int:
                 continue
             _write_frame(out, lock, (request_id, True, None))
 
-    def query(request_id: int, sql: str, params: list[Any]) -> None:
+    def query(
+        request_id: int, sql: str, params: list[Any], page: tuple[int, tuple[str, ...]] | None
+    ) -> None:
         try:
             cursor = getattr(local, "cursor", None)
             if cursor is None:
@@ -276,14 +294,20 @@ def child_main(db: str, threads: int, open_timeout_s: float) -> int:
             result = cursor.execute(sql, params)
             columns = [d[0] for d in result.description]
             json_columns = [c in schema.JSON_FIELDS for c in columns]
+            fetched = result.fetchall()
+            following = None
+            if page is not None and len(fetched) > page[0]:
+                fetched = fetched[: page[0]]
+                last = dict(zip(columns, fetched[-1], strict=True)) if fetched else {}
+                following = orjson.dumps([last.get(c) for c in page[1]]).decode()
             rows = [
                 {
                     c: (orjson.Fragment(v) if j and v is not None else v)
                     for c, j, v in zip(columns, json_columns, row, strict=True)
                 }
-                for row in result.fetchall()
+                for row in fetched
             ]
-            _write_frame(out, lock, (request_id, True, orjson.dumps(rows)))
+            _write_frame(out, lock, (request_id, True, (orjson.dumps(rows), following)))
         except Exception as exc:
             _write_frame(out, lock, (request_id, False, repr(exc)))
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from lightning_core.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, missing_modules
 from lightning_core.backends.transformers_backend.requests import BASE
 from lightning_core.errors import InvalidInput, NotFound
 
@@ -76,6 +78,7 @@ class Adapters:
     def load(self, name: str, path: str) -> None:
         from peft import PeftConfig, PeftModel
 
+        self._check_folder(Path(path))
         try:
             adapter_config = PeftConfig.from_pretrained(path)
         except Exception as exc:
@@ -84,6 +87,15 @@ class Adapters:
             ) from exc
         if str(adapter_config.peft_type) not in ("LORA", "PeftType.LORA"):
             raise InvalidInput(f"{path} holds a {adapter_config.peft_type} adapter, not LoRA")
+        targets = adapter_config.target_modules
+        if isinstance(targets, str):
+            raise InvalidInput(f"{path}: target_modules must list module names, not a pattern")
+        missing = missing_modules(targets or [], (n for n, _ in self.model.named_modules()))
+        if missing:
+            raise InvalidInput(
+                f"{path}: target_modules {missing} name no module of the served model; is the "
+                "adapter for another model?"
+            )
         # PEFT names must be valid module names, and requests already running on an adapter
         # being replaced keep the weights they started with: each load gets a fresh name.
         adapter_id = f"lora{next(self._numbers)}"
@@ -105,6 +117,27 @@ class Adapters:
         if previous is not None:
             self._retired.add(previous)
             self._collect()
+
+    @staticmethod
+    def _check_folder(folder: Path) -> None:
+        # Before PEFT sees the path: PEFT takes a path that is no folder for a Hub id and
+        # retries the Hub (23 s, the engine thread and so every generation waiting), and
+        # loads adapter_model.bin, a pickle, when there is no safetensors file.
+        if not folder.is_absolute() or not folder.is_dir():
+            raise InvalidInput(
+                f"{folder} is not the absolute path of a local folder: adapters are loaded from "
+                "local folders only, never from the Hub"
+            )
+        if not (folder / CONFIG_FILE).is_file():
+            raise InvalidInput(
+                f"{folder} is not a PEFT adapter folder (no {CONFIG_FILE}); save one with "
+                "save_pretrained"
+            )
+        if not (folder / WEIGHTS_FILE).is_file():
+            raise InvalidInput(
+                f"{folder} has no {WEIGHTS_FILE}; pickled weights (adapter_model.bin) are never "
+                "loaded: save the adapter with save_pretrained(safe_serialization=True)"
+            )
 
     def unload(self, name: str) -> None:
         adapter_id = self.ids.pop(name, None)

@@ -20,6 +20,7 @@ from lightning_core.backends.transformers_backend.engine import Engine
 from lightning_core.backends.transformers_backend.requests import Job
 from lightning_core.errors import InvalidInput
 from lightning_core.models import DEFAULT_MODEL, TINY_MODEL
+from lightning_core.offload import off_loop
 
 
 def _served_model_name(model: str | None) -> str:
@@ -69,7 +70,7 @@ class TransformersBackend:
         return self._engine.stats()
 
     async def generate(self, request: GenerationRequest) -> list[Choice]:
-        job = self._submit(request, streaming=False)
+        job = await self._submit(request, streaming=False)
         choices: list[Choice | None] = [None] * request.n
         try:
             for _ in range(request.n):
@@ -90,11 +91,11 @@ class TransformersBackend:
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
         check_stream_request(request)
-        self._engine.validate(request)
+        self._engine.validate(request)  # refused here, before a stream starts
         return self._stream(request)
 
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        job = self._submit(request, streaming=True)
+        job = await self._submit(request, streaming=True)
         try:
             while True:
                 item = await job.outbox.get()
@@ -107,13 +108,19 @@ class TransformersBackend:
         finally:
             self._engine.abort(job)
 
-    def _submit(self, request: GenerationRequest, streaming: bool) -> Job:
+    async def _submit(self, request: GenerationRequest, streaming: bool) -> Job:
         self._engine.validate(request)
+        # Compiling a grammar takes milliseconds to a second: off the loop (its errors raise
+        # from the stream's first step).
+        grammar = None
+        if request.params.constraint is not None:
+            grammar = await off_loop(self._engine.grammar, request)
         job = Job(
             request=request,
             streaming=streaming,
             loop=asyncio.get_running_loop(),
             outbox=asyncio.Queue(),
+            grammar=grammar,
         )
         self._engine.submit(job)
         return job

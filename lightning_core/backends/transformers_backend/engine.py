@@ -6,6 +6,12 @@ ones, then decodes one token for every running sequence. It calls the model's fo
 HF `generate` rebuilds its cache, masks and logits processors on every call and cannot add a
 sequence to a batch that is already decoding. Sampled tokens go through the stopping rules of
 `base.py`; what a request may see is handed back to its event loop in one batch per step.
+
+One request's failure is its own: an error in one sequence (its grammar matcher, its sampling,
+its stopping rules and detokenizing) fails that sequence's request, and a failed prefill fails
+the requests in it (the running batch's cache is untouched); the batch goes on. Only a decode
+forward failing (the model itself) fails every request, after which the batch starts empty and
+the engine serves the next requests.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from lightning_core.backends.transformers_backend.config import TransformersBack
 from lightning_core.backends.transformers_backend.kv_cache import common_length
 from lightning_core.backends.transformers_backend.packed_linear import can_pack, pack_linears
 from lightning_core.backends.transformers_backend.requests import Job, Sequence
-from lightning_core.backends.transformers_backend.sampling import sample
+from lightning_core.backends.transformers_backend.sampling import Draws, sample
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.models import resolve_model
 
@@ -109,6 +115,8 @@ class Engine:
     # -- called from other threads ------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
+        """InvalidInput/NotFound for a request this engine cannot serve (cheap checks; its
+        grammar is checked by `grammar`)."""
         prompt, params = request.prompt_token_ids, request.params
         if self.context and len(prompt) + params.max_new_tokens > self.context:
             raise InvalidInput(
@@ -122,8 +130,12 @@ class Engine:
             raise InvalidInput(f"n={request.n} exceeds max_batch_size={self.config.max_batch_size}")
         if request.adapter is not None and request.adapter not in self.adapters.ids:
             raise NotFound(self.adapters.unknown(request.adapter))
-        if params.constraint is not None:
-            self.matcher(params.constraint)  # compiles (and caches) it; a bad schema raises
+
+    def grammar(self, request: GenerationRequest) -> Any:
+        """The request's grammar matcher (None: unconstrained), compiled on the caller's thread:
+        milliseconds to a second, for a worker thread. InvalidInput for a grammar it cannot use."""
+        constraint = request.params.constraint
+        return None if constraint is None else self.matcher(constraint)
 
     def matcher(self, constraint: Constraint) -> Any:
         """A fresh grammar matcher for `constraint` (InvalidInput for a schema it cannot use)."""
@@ -182,7 +194,7 @@ class Engine:
                     self._take_commands(block=idle)
                     if not self.closed:
                         self._step()
-                except Exception as exc:  # a failed step fails its requests, never hangs them
+                except Exception as exc:  # the model failed: fail every request, never hang one
                     self._fail_all(exc)
                 self._flush()
         closed = RuntimeError("the transformers backend was closed")
@@ -246,6 +258,12 @@ class Engine:
             job.done = True
             self.adapters.release(job.adapter_id)
 
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        """Fail one request with `exc`: its sequences leave the batch at the next rebuild."""
+        if not job.done:
+            self._outbox.append((job, exc))
+        self._abort(job)
+
     def _fail_all(self, exc: BaseException) -> None:
         jobs = {id(s.job): s.job for s in self.batch.rows}
         jobs.update((id(job), job) for job in [*self._waiting, *self._prefilling])
@@ -273,8 +291,13 @@ class Engine:
         joining: list[tuple[Sequence, int]] = []
         prefilled = None
         if self._prefilling:
-            prefilled, logits = batch.prefill(self._prefilling)
-            joining = self._first_tokens(self._prefilling, logits)
+            try:
+                prefilled, logits = batch.prefill(self._prefilling)
+            except Exception as exc:  # a forward of these prompts alone (a new cache): theirs
+                for job in self._prefilling:
+                    self._fail(job, exc)
+            else:
+                joining = self._first_tokens(self._prefilling, logits)
         if batch.needs_rebuild(bool(joining)):
             batch.rebuild(joining, prefilled)
         self._prefilling = []
@@ -323,9 +346,15 @@ class Engine:
         sequences: list[Sequence] = []
         sources: list[int] = []
         for row, job in enumerate(jobs):
-            for index in range(job.request.n):
-                sequences.append(self._new_sequence(job, index))
-                sources.append(row)
+            try:
+                mine = [self._new_sequence(job, index) for index in range(job.request.n)]
+            except Exception as exc:  # its grammar could not be copied or compiled
+                self._fail(job, exc)
+                continue
+            sequences += mine
+            sources += [row] * len(mine)
+        if not sequences:
+            return []
         self._sample(sequences, logits[sources])
         return [(s, row) for s, row in zip(sequences, sources, strict=True) if not s.leaving]
 
@@ -337,30 +366,60 @@ class Engine:
         else:
             # Completion i of a seeded request gets its own stream, fixed by (seed, i) alone.
             generator.manual_seed((params.seed + index * 0x9E3779B97F4A7C15) % 2**63)
+        matcher = None
+        if job.grammar is not None:  # compiled by grammar(), off this thread
+            matcher = job.grammar.copy()
+        elif params.constraint is not None:
+            matcher = self.matcher(params.constraint)
         return Sequence(
             job=job,
             index=index,
             generator=generator,
             length=len(job.request.prompt_token_ids),
             text=IncrementalText(self.tokenizer, stops=params.stop) if params.stop else None,
-            matcher=self.matcher(params.constraint) if params.constraint is not None else None,
+            matcher=matcher,
         )
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each row's next token and account for it. `logits` is the engine's to change."""
+        """Sample each row's next token and account for it. `logits` is the engine's to change.
+
+        A row whose grammar, sampling or stopping rules raise fails its own request; the other
+        rows go on. When the batched masking or sampling raises, each row is sampled alone to
+        find whose it was (a seeded row then draws once more from its generator: only a batch
+        that had a failing row loses reproducibility).
+        """
+        try:
+            draws = self._draw(rows, logits)
+        except Exception as exc:
+            if len(rows) == 1:
+                self._fail(rows[0].job, exc)
+                return
+            for row, s in enumerate(rows):
+                if not s.leaving:
+                    self._sample([s], logits[row : row + 1])
+            return
+        for row, s in enumerate(rows):
+            if s.job.cancelled:  # failed by its grammar above, or by its other sequence
+                continue
+            try:
+                self._accept(s, draws.tokens[row], draws.logprobs[row], draws.top[row])
+            except Exception as exc:
+                self._fail(s.job, exc)
+
+    def _draw(self, rows: list[Sequence], logits: torch.Tensor) -> Draws:
         constrained = [row for row, s in enumerate(rows) if s.matcher is not None]
         if constrained:
             # Forbidden tokens leave the distribution before temperature and log_softmax: the
             # logprobs reported are those of what was sampled from (see base.Constraint).
             from lightning_core.backends.grammar import allowed_tokens
 
-            allowed = allowed_tokens(
-                [rows[row].matcher for row in constrained], logits.shape[-1], logits.device
-            )
+            matchers = [rows[row].matcher for row in constrained]
+            allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
+            for matcher, row in zip(matchers, constrained, strict=True):
+                if (error := matcher.error()) is not None:  # a limit hit inside llguidance
+                    self._fail(rows[row].job, error)
             logits[constrained] = logits[constrained].masked_fill(~allowed, float("-inf"))
-        draws = sample(logits, [s.job.request.params for s in rows], [s.generator for s in rows])
-        for row, s in enumerate(rows):
-            self._accept(s, draws.tokens[row], draws.logprobs[row], draws.top[row])
+        return sample(logits, [s.job.request.params for s in rows], [s.generator for s in rows])
 
     def _accept(
         self, s: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None

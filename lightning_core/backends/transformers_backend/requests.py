@@ -24,6 +24,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     outbox: asyncio.Queue[tuple[int, StreamDelta] | BaseException]
     adapter_id: str = BASE
+    # Its grammar's matcher at the start (a grammar.TokenMatcher), compiled before submission
+    # off the engine thread; each completion takes a copy. None: free, or compile on admission.
+    grammar: Any = None
     stop_ids: frozenset[int] = frozenset()
     unfinished: int = 0
     done: bool = False

@@ -16,7 +16,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
+from pydantic import SecretStr
 
+from lightning_core.adapter_folder import WEIGHTS_FILE
 from lightning_core.backends.base import (
     Choice,
     GenerationRequest,
@@ -33,7 +35,9 @@ from lightning_core.backends.vllm_backend.completions import (
 from lightning_core.backends.vllm_backend.config import VLLMBackendConfig, VLLMUnavailable
 from lightning_core.backends.vllm_backend.server import VLLMServer
 from lightning_core.errors import InvalidInput, LightningError, NotFound
+from lightning_core.keys import bearer_header
 from lightning_core.models import resolve_model
+from lightning_core.redaction import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,11 @@ class VLLMBackend:
         return self._server.log_path if self._server is not None else None
 
     @property
+    def server_key(self) -> str | None:
+        """The launched server's key (None when attached): what another client of it needs."""
+        return self._server.api_key if self._server is not None else None
+
+    @property
     def server_pid(self) -> int | None:
         """The process id of the launched server's API process (None when attached)."""
         return self._server.pid if self._server is not None else None
@@ -102,7 +111,12 @@ class VLLMBackend:
                 )
                 await self._server.start()
                 self.url = self._server.url
+            key = self._server.api_key if self._server is not None else self.config.api_key
+            if isinstance(key, SecretStr):
+                key = key.get_secret_value()
             self._session = aiohttp.ClientSession(
+                # The server's key on every request (server.py says why).
+                headers=bearer_header(key),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=10, sock_read=self.config.request_timeout_s
                 ),
@@ -155,12 +169,13 @@ class VLLMBackend:
         names = [m["id"] for m in models]
         if self.base_model not in names:
             raise InvalidInput(
-                f"the vLLM server at {self.url} serves {names}, not {self.base_model!r}; set "
+                f"the vLLM server at {redact_url(self.url)} serves {names}, not "
+                f"{self.base_model!r}; set "
                 "served_model_name to the name it serves the base model under"
             )
         # Adapters loaded before we attached (--lora-modules, or by another client).
         self._adapters = {m["id"]: m.get("root") or "" for m in models if m.get("parent")}
-        log.info("attached to vLLM at %s serving %s", self.url, names)
+        log.info("attached to vLLM at %s serving %s", redact_url(self.url), names)
 
     # ---- supervision of a launched server
     # A server that dies (killed, out of memory) is started again on the same port and given
@@ -220,20 +235,24 @@ class VLLMBackend:
         if self._server is not None and self._server.exited():
             # Dead, and the watcher has not looked yet: restart now rather than fail the call.
             self._restart_once()
-        restarting = self._restarting
-        if (
-            restarting is not None
-            and not restarting.done()
-            and restarting is not asyncio.current_task()
-        ):
+        if self._restart_under_way():
+            assert self._restarting is not None
             try:
                 # Shielded: a caller that gives up waiting must not cancel the restart.
-                await asyncio.shield(restarting)
+                await asyncio.shield(self._restarting)
             except LightningError as exc:
                 raise VLLMUnavailable(f"the vLLM server could not be restarted: {exc}") from exc
 
-    async def _lost(self, error: Exception) -> VLLMUnavailable:
-        """The error of a request the server failed by dying; a restart begins at once."""
+    async def _lost(self, error: Exception, restarts: int) -> VLLMUnavailable:
+        """The error of a request the server failed by dying; a restart begins at once.
+        `restarts` is self.restarts when the request was sent."""
+        if self.restarts != restarts or self._restart_under_way():
+            # The server that failed it was restarted meanwhile, or is being restarted: the
+            # watcher's restart stops what is left of it (its engine core, which still held the
+            # port, resets the connection) and may have launched the new server before this
+            # error was handled, so the new process is alive and `exited()` says no. Answered
+            # "cannot reach" before (the race in test_fault_vllm.py).
+            return self._restarting_error(error)
         if self._server is not None and self._gave_up is None:
             # The reset connection can reach us before the dying process is reaped: without
             # this wait a request cut off by the kill was answered "cannot reach" (seen here).
@@ -242,11 +261,24 @@ class VLLMBackend:
                 await asyncio.sleep(0.05)
         if self._server is not None and self._server.exited() and self._gave_up is None:
             self._restart_once()
-            return VLLMUnavailable(
-                f"the vLLM server at {self.url} died during the request and is being "
-                f"restarted; send it again ({error}){self._died()}"
-            )
-        return VLLMUnavailable(f"cannot reach the vLLM server at {self.url}: {error}{self._died()}")
+            return self._restarting_error(error)
+        return VLLMUnavailable(
+            f"cannot reach the vLLM server at {redact_url(self.url)}: {error}{self._died()}"
+        )
+
+    def _restart_under_way(self) -> bool:
+        restarting = self._restarting
+        return (
+            restarting is not None
+            and not restarting.done()
+            and restarting is not asyncio.current_task()
+        )
+
+    def _restarting_error(self, error: Exception) -> VLLMUnavailable:
+        return VLLMUnavailable(
+            f"the vLLM server at {redact_url(self.url)} died during the request and is being "
+            f"restarted; send it again ({error}){self._died()}"
+        )
 
     def _live_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -344,6 +376,7 @@ class VLLMBackend:
     ) -> AsyncIterator[dict[str, Any]]:
         session = self._live_session()
         await self._ready()
+        restarts = self.restarts
         try:
             async with session.post(f"{self.url}/v1/completions", json=body) as resp:
                 if resp.status >= 400:
@@ -360,7 +393,7 @@ class VLLMBackend:
                     for choice in chunk.get("choices", []):
                         yield choice
         except aiohttp.ClientError as e:
-            raise await self._lost(e) from e
+            raise await self._lost(e, restarts) from e
 
     # ---- adapters
 
@@ -417,8 +450,16 @@ class VLLMBackend:
 
     def _check_adapter(self, folder: Path) -> None:
         config_file = folder / "adapter_config.json"
-        if not config_file.is_file():
-            raise InvalidInput(f"{folder} has no adapter_config.json: not a PEFT LoRA folder")
+        if not folder.is_absolute() or not config_file.is_file():
+            raise InvalidInput(
+                f"{folder} is not the absolute path of a local PEFT LoRA folder (no "
+                "adapter_config.json); adapters are loaded from local folders only"
+            )
+        if not (folder / WEIGHTS_FILE).is_file():
+            raise InvalidInput(
+                f"{folder} has no {WEIGHTS_FILE}; pickled weights (adapter_model.bin) are never "
+                "loaded: save the adapter with save_pretrained(safe_serialization=True)"
+            )
         config = json.loads(config_file.read_text())
         rank = max([config.get("r", 0), *config.get("rank_pattern", {}).values()])
         if rank > self.config.max_lora_rank:
@@ -442,13 +483,14 @@ class VLLMBackend:
     ) -> Any:
         session = self._live_session()
         await self._ready()
+        restarts = self.restarts
         try:
             async with session.request(method, f"{self.url}{path}", json=body) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise self._error(resp.status, text, request, adapter_path)
         except aiohttp.ClientError as e:
-            raise await self._lost(e) from e
+            raise await self._lost(e, restarts) from e
         try:
             return json.loads(text)
         except json.JSONDecodeError:

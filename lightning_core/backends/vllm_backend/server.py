@@ -1,5 +1,8 @@
 """A vLLM OpenAI server launched on loopback from vLLM's own environment, owned until stopped.
 
+It asks every /v1 request for a key (VLLM_API_KEY) that only its owner knows, so that no other
+local process calls it past the gateway, or loads an adapter into it.
+
 It runs in a process group of its own, so stopping it stops the API server, the engine core
 and its workers together; a server whose owner is dropped without `stop()` is stopped by a
 finalizer rather than left behind holding gigabytes.
@@ -12,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -42,12 +46,18 @@ class VLLMServer:
         self.config, self.model_dir, self.served_model_name = config, model_dir, served_model_name
         self.log_path = scratch / "vllm-server.log"
         self.url = ""
+        # vLLM asks every /v1 request for this key: any local process could otherwise call the
+        # server past the gateway's key and limits, and load adapters from any folder. Kept
+        # across restarts, so that the backend's requests in flight keep their key.
+        configured = config.api_key.get_secret_value() if config.api_key else ""
+        self.api_key = configured or secrets.token_urlsafe(32)
         self._process: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
 
     async def start(self) -> None:
-        python = await self._python()
+        self._check_exposure()
         host = self.config.host
+        python = await self._python()
         port = self.config.port or free_port(host)
         if self.config.port is not None and not _port_is_free(host, port):
             raise InvalidInput(
@@ -56,6 +66,25 @@ class VLLMServer:
             )
         self.url = f"http://{host}:{port}"
         await self._launch(python, host, port)
+
+    def _check_exposure(self) -> None:
+        """Loopback, or another interface with a key the operator chose (to give the machines
+        meant to reach it); and no extra flag that would replace the key or the bind."""
+        from lightning_core.http_edge import is_loopback
+
+        for flag in ("--api-key", "--host"):
+            if any(a == flag or a.startswith(f"{flag}=") for a in self.config.extra_args):
+                field = flag.removeprefix("--").replace("-", "_")
+                raise InvalidInput(
+                    f"{flag} in extra_args would replace the launched server's key or bind; "
+                    f"set the backend's {field} instead"
+                )
+        if not is_loopback(self.config.host) and not self.config.api_key:
+            raise InvalidInput(
+                f"refusing to launch vLLM on {self.config.host} without a key of your choosing: "
+                "set the backend's api_key (the clients on other machines need it), or leave "
+                "host at 127.0.0.1"
+            )
 
     async def restart(self) -> None:
         """Start the server again on the same port, after it died: clients keep its URL."""
@@ -119,6 +148,9 @@ class VLLMServer:
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_space_gb),
             **self.config.env,
+            # In the environment, which only this user can read, not on the command line,
+            # which every local user can (ps); last, so that nothing above replaces it.
+            "VLLM_API_KEY": self.api_key,
         }
         log.info("starting vLLM for %s on %s (log: %s)", self.model_dir, self.url, self.log_path)
         # Appended: a restarted server's log follows the log of the one that died.
