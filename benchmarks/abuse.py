@@ -3,7 +3,9 @@
 One server on loopback (the tiny random Llama as its policy, a DuckDB file as its store). The
 well-behaved workload is benchmarks/soak.py's client: 8 of them, each playing rollouts in a loop
 (enqueue, claim, chat calls under the attempt, spans, complete, read back and check). A probe
-reads /health every 20 ms. The same workload runs twice in one process:
+reads /health every 20 ms from a process of its own, and the hostile mix runs in another
+(attackers are other processes: their work must not be measured as the server's). The same
+workload runs twice:
 
 1. alone, for `--baseline` seconds: its p99 latency and /health's p99 without hostility;
 2. beside the hostile mix, for `--seconds` (60 by default), each hostile kind in its own loop:
@@ -29,12 +31,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import socket
 import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,18 +76,23 @@ class Hostile:
         self.outcomes.setdefault(kind, Counter())[outcome] += 1
 
 
-async def _probe_health(url: str, deadline: float, latencies: list[float], failures: list[str]):
-    async with httpx.AsyncClient(timeout=10) as http:
+def _probe_health(url: str, deadline: float) -> tuple[list[float], list[str]]:
+    """/health every HEALTH_EVERY_S until the deadline: latencies and failures. Run in a process
+    of its own, so that what it measures is the server, not this process's busy event loop."""
+    latencies: list[float] = []
+    failures: list[str] = []
+    with httpx.Client(timeout=10) as http:
         while time.monotonic() < deadline:
             start = time.perf_counter()
             try:
-                response = await http.get(f"{url}/health")
+                response = http.get(f"{url}/health")
                 if response.status_code != 200:
                     failures.append(f"/health answered {response.status_code}")
             except httpx.HTTPError as exc:
                 failures.append(f"/health: {type(exc).__name__}: {exc}")
             latencies.append(time.perf_counter() - start)
-            await asyncio.sleep(HEALTH_EVERY_S)
+            time.sleep(HEALTH_EVERY_S)
+    return latencies, failures
 
 
 async def _loop(kind: str, deadline: float, hostile: Hostile, attack) -> None:
@@ -265,21 +274,31 @@ class Phase:
         return [x * 1000 for values in self.tally.latencies.values() for x in values]
 
 
+def _hostile_process(url: str, port: int, model: str, deadline: float) -> Hostile:
+    """The hostile mix, in a process of its own as an attacker would be: building 6 MB bodies
+    and juggling a thousand sockets must not slow the good clients' event loop."""
+    return asyncio.run(hostile_mix(url, port, model, deadline))
+
+
 async def phase(name: str, url: str, port: int, model: str, seconds: float, hostile: bool):
-    tally, health, health_failures = Tally(), [], []
+    tally = Tally()
     players = [Client(i, url, model, tally) for i in range(GOOD_CLIENTS)]
+    # time.monotonic is the machine's clock (CLOCK_MONOTONIC): one deadline for every process.
     deadline = time.monotonic() + seconds
-    jobs = [p.run(deadline) for p in players]
-    jobs.append(_probe_health(url, deadline, health, health_failures))
-    mix = None
-    if hostile:
-        jobs.append(hostile_mix(url, port, model, deadline))
-    results = await asyncio.gather(*jobs)
-    if hostile:
-        mix = results[-1]
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        probe = loop.run_in_executor(pool, _probe_health, url, deadline)
+        mix = (
+            loop.run_in_executor(pool, _hostile_process, url, port, model, deadline)
+            if hostile
+            else None
+        )
+        await asyncio.gather(*(p.run(deadline) for p in players))
+        health, health_failures = await probe
+        attacks = await mix if mix is not None else None
     for p in players:
         await p.close()
-    return Phase(name, seconds, tally, health, health_failures, mix)
+    return Phase(name, seconds, tally, health, health_failures, attacks)
 
 
 def report(phases: list[Phase]) -> str:
