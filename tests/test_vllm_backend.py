@@ -66,10 +66,13 @@ async def test_greedy_ids_decode_to_vllms_text(backend):
 
     # The same request as plain OpenAI text: the ids must decode to exactly vLLM's text.
     body = {"model": backend.base_model, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    # The launched server asks for its per-launch key, like any client of it (issue 25).
+    key = {"authorization": f"Bearer {backend.server_key}"}
     async with (
         aiohttp.ClientSession() as http,
-        http.post(f"{backend.url}/v1/completions", json=body) as resp,
+        http.post(f"{backend.url}/v1/completions", json=body, headers=key) as resp,
     ):
+        assert resp.status == 200, await resp.text()
         text = (await resp.json())["choices"][0]["text"]
     assert backend.tokenizer.decode(choice.token_ids, skip_special_tokens=True) == text
 
