@@ -68,11 +68,14 @@ class ThreadedServer:
 
 @contextlib.contextmanager
 def gateway_server(
-    tool_format: str = "line", gateway_options: dict[str, Any] | None = None, **backend_options: Any
+    tool_format: str = "line",
+    gateway_options: dict[str, Any] | None = None,
+    api_key: str | None = None,
+    **backend_options: Any,
 ) -> Iterator[ThreadedServer]:
     """A store + gateway + transformers backend on loopback, for agents to run against; the
-    served base model's name is `.model`, the store `.store`. `gateway_options` are more
-    GatewayConfig fields (limits, ...)."""
+    served base model's name is `.model`, the store `.store`, the app `.app`. `gateway_options`
+    are more GatewayConfig fields (limits, ...); `api_key` the server's admin key."""
     from lightning_core.backends.transformers_backend import TransformersBackend
     from lightning_core.gateway.service import Gateway, GatewayConfig
 
@@ -80,7 +83,9 @@ def gateway_server(
     backend = TransformersBackend(**backend_options)
     config = GatewayConfig(tool_format=tool_format, **(gateway_options or {}))
     gateway = Gateway(backend, store, config)
-    with ThreadedServer(create_app(store, gateway=gateway), start_timeout=120) as running:
+    app = create_app(store, api_key=api_key, gateway=gateway)
+    with ThreadedServer(app, start_timeout=120) as running:
+        running.app = app
         running.model = backend.base_model
         running.store = store
         yield running

@@ -29,16 +29,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lightning_core import semconv, serving
-from lightning_core.app import create_app
-from lightning_core.backends.transformers_backend import TransformersBackend
 from lightning_core.errors import Unauthorized
-from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.models import tiny_model_dir
 from lightning_core.store.client import HttpStoreClient
-from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.tracing import emit_reward
 from lightning_core.types import RolloutRequest
-from tests.conftest import ThreadedServer
+from tests.conftest import gateway_server
 from tests.helpers import run_cli
 
 KEY = "test-key-Zq9"
@@ -53,14 +49,7 @@ def _no_key_in_env(monkeypatch):
 
 @pytest.fixture(scope="module")
 def server():
-    store = DuckDBStore(db=":memory:")
-    backend = TransformersBackend(model=str(tiny_model_dir()))
-    app = create_app(
-        store, api_key=KEY, gateway=Gateway(backend, store, GatewayConfig(tool_format="line"))
-    )
-    with ThreadedServer(app, start_timeout=120) as running:
-        running.app = app
-        running.model = backend.base_model
+    with gateway_server(model=str(tiny_model_dir()), api_key=KEY) as running:
         yield running
 
 

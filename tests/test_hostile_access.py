@@ -29,9 +29,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lightning_core import semconv, tracing
-from lightning_core.app import create_app
-from lightning_core.backends.transformers_backend import TransformersBackend
-from lightning_core.gateway.service import Gateway, GatewayConfig
 from lightning_core.models import tiny_model_dir
 from lightning_core.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
@@ -42,7 +39,7 @@ from lightning_rl.agents.calc.calculator import CalculatorError, evaluate
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.runs import log_params, tracking
-from tests.conftest import ThreadedServer
+from tests.conftest import gateway_server
 from tests.helpers import run_cli
 
 KEY = "admin-key-hostile-Qx7"
@@ -59,13 +56,7 @@ def _no_key_in_env(monkeypatch):
 
 @pytest.fixture(scope="module")
 def server():
-    store = DuckDBStore(db=":memory:")
-    backend = TransformersBackend(model=str(tiny_model_dir()))
-    app = create_app(
-        store, api_key=KEY, gateway=Gateway(backend, store, GatewayConfig(tool_format="line"))
-    )
-    with ThreadedServer(app, start_timeout=120) as running:
-        running.model = backend.base_model
+    with gateway_server(model=str(tiny_model_dir()), api_key=KEY) as running:
         yield running
 
 
