@@ -2,11 +2,12 @@
 
 Everything else follows from `TrainConfig`: the flow's parameters and the Prefect parameter
 schema (`train_config_parameters`), the `lightning-rl train` options (flows/cli.py) and the
-README's settings table (`python -m lightning_rl.flows.config --markdown`).
+docs' settings table, docs/reference/settings.md (`python -m lightning_rl.flows.config
+--update-docs` rewrites it).
 
-Defaults are the CPU demo: SmolLM2-135M on this machine's cores, the calc agent, about half an
-hour. On a GPU, raise `tasks_per_iteration`, `iterations` and the model size; the algorithm does
-not change.
+Defaults are the CPU demo, `make demo`: SmolLM2-135M on this machine's cores, the calc agent (its
+run time is in docs/quickstart.md). On a GPU, raise `tasks_per_iteration`, `iterations` and the
+model size; the algorithm does not change.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class TrainConfig(BaseModel):
         default_factory=lambda: RegistryConfig(registered_model=""),
         description="MLflow; an empty registered_model means the profile's.",
     )
-    # Recurring retraining (README "Retrain from production").
+    # Recurring retraining (docs/production.md).
     data: DataSource = Field(
         "profile",
         description="What the run trains on: profile (the agent's train split, the same every "
@@ -284,7 +285,7 @@ def settings_rows(
 
 
 def settings_markdown() -> str:
-    """The README's table of training settings."""
+    """The settings reference's table of training settings."""
     lines = ["| setting | default | description |", "|---|---|---|"]
     for name, default, description in settings_rows():
         cells = [f"`{name}`", f"`{default}`" if default else "", description.replace("|", "\\|")]
@@ -292,16 +293,19 @@ def settings_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-README_START, README_END = "<!-- settings:start -->", "<!-- settings:end -->"
+# The docs page that holds the generated table, between these markers; the prose around them is
+# written by hand.
+SETTINGS_PAGE = "docs/reference/settings.md"
+SETTINGS_START, SETTINGS_END = "<!-- settings:start -->", "<!-- settings:end -->"
 
 
-def with_settings_table(readme: str) -> str:
-    """`readme` with the text between its settings markers replaced by `settings_markdown()`."""
-    head, found, rest = readme.partition(README_START)
-    _, found_end, tail = rest.partition(README_END)
+def with_settings_table(page: str) -> str:
+    """`page` with the text between its settings markers replaced by `settings_markdown()`."""
+    head, found, rest = page.partition(SETTINGS_START)
+    _, found_end, tail = rest.partition(SETTINGS_END)
     if not (found and found_end):
-        raise ValueError(f"no {README_START} ... {README_END} section")
-    return f"{head}{README_START}\n{settings_markdown()}{README_END}{tail}"
+        raise ValueError(f"no {SETTINGS_START} ... {SETTINGS_END} section")
+    return f"{head}{SETTINGS_START}\n{settings_markdown()}{SETTINGS_END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -313,13 +317,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--markdown", action="store_true", help="Print the settings table.")
     parser.add_argument(
-        "--update-readme", metavar="PATH", help="Rewrite the table between PATH's markers."
+        "--update-docs",
+        metavar="PATH",
+        nargs="?",
+        const=SETTINGS_PAGE,
+        help=f"Rewrite the table between PATH's markers (default {SETTINGS_PAGE}).",
     )
     args = parser.parse_args(argv)
-    if args.update_readme:
-        path = Path(args.update_readme)
+    if args.update_docs:
+        path = Path(args.update_docs)
         path.write_text(with_settings_table(path.read_text()))
-    if args.markdown or not args.update_readme:
+    if args.markdown or not args.update_docs:
         print(settings_markdown(), end="")
 
 

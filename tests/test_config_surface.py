@@ -1,5 +1,5 @@
 """TrainConfig is declared once: the flow's parameters, the `lightning-rl train` options and the
-README's settings table all follow from it, with the same names, defaults and descriptions."""
+docs' settings table all follow from it, with the same names, defaults and descriptions."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from prefect.exceptions import ParameterTypeError
 from lightning_core.errors import LightningError
 from lightning_rl.flows.cli import train_command, train_fields
 from lightning_rl.flows.config import (
-    README_END,
-    README_START,
+    SETTINGS_END,
+    SETTINGS_PAGE,
+    SETTINGS_START,
     TrainConfig,
     nested_models,
     settings_markdown,
@@ -160,12 +161,12 @@ def test_resume_starts_from_the_runs_saved_config_and_flags_change_it(tmp_path):
         train_fields(_given(run_dir=str(tmp_path / "runs"), run_name="other"), None, "r1")
 
 
-def test_the_readme_settings_table_is_the_generated_one():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split(README_START, 1)[1].split(README_END, 1)[0]
+def test_the_docs_settings_table_is_the_generated_one():
+    page = (REPO / SETTINGS_PAGE).read_text()
+    section = page.split(SETTINGS_START, 1)[1].split(SETTINGS_END, 1)[0]
     assert section.strip() == settings_markdown().strip(), (
-        "README.md's settings table is stale: run "
-        "`python -m lightning_rl.flows.config --update-readme README.md`"
+        f"{SETTINGS_PAGE}'s settings table is stale: run "
+        "`python -m lightning_rl.flows.config --update-docs`"
     )
     for name, model in nested_models().items():
         for field in model.model_fields:
