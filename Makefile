@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
+.PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,9 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 
-# The calc agent trained with LightningRL on this machine's CPU (SmolLM2-135M, ~30 min):
-# base vs final held-out accuracy, reward curve and MLflow registration (runs/, mlflow.db).
+# The calc agent trained with LightningRL on this machine's CPU (SmolLM2-135M; how long it takes:
+# docs/quickstart.md): base vs final held-out accuracy, reward curve and MLflow registration
+# (runs/, mlflow.db).
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/lightning-rl train --agent calc
 
@@ -57,10 +58,19 @@ demo-rag: setup
 demo-store: setup
 	$(BIN)/python -m lightning_core.demo
 
-# The Prefect UI screenshots in docs/ (README's "In the Prefect UI"), retaken from a short
-# training run against a temporary Prefect server, in headless Chromium (apt-get install chromium).
+# The Prefect UI screenshots in docs/ (docs/deployments.md, "In the Prefect UI"), retaken from a
+# short training run against a temporary Prefect server, in headless Chromium (apt-get install
+# chromium).
 screenshots: setup-dev
 	$(BIN)/python docs/screenshots.py
+
+# The documentation site (mkdocs.yml, docs/): strict, so a broken link or anchor fails the build.
+# NO_MKDOCS_2_WARNING quiets the theme's notice about MkDocs 2.0.
+docs: setup-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: setup-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 test: setup-dev
 	$(BIN)/python -m pytest -q -ra

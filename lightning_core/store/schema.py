@@ -186,7 +186,7 @@ MIGRATIONS = (
 )
 
 # Columns renamed since release, (table, old name, new name): renamed in databases that still
-# have the old one, before the views are made (the glossary's names, README).
+# have the old one, before the views are made (the glossary's names, docs/glossary.md).
 RENAMES = (("rollout_log", "final_reward", "episode_return"),)
 
 VIEWS = (
