@@ -1,7 +1,7 @@
 """The training flow's configuration: one pydantic model, declared once.
 
 Everything else follows from `TrainConfig`: the flow's parameters and the Prefect parameter
-schema (`train_config_parameters`), the `lightning-rl train` options (flows/cli.py) and the
+schema (`train_config_parameters`), the `lightning-rl train` options (flows/cli/options.py) and the
 README's settings table (`python -m lightning_rl.flows.config --markdown`).
 
 Defaults are the CPU demo: SmolLM2-135M on this machine's cores, the calc agent, about half an
