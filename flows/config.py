@@ -1,8 +1,8 @@
 """The training flow's configuration: one pydantic model, declared once.
 
 Everything else follows from `TrainConfig`: the flow's parameters and the Prefect parameter
-schema (`train_config_parameters`), the `lightning-rl train` options (flows/cli.py) and the
-docs' settings table, docs/reference/settings.md (`python -m lightning_rl.flows.config
+schema (`train_config_parameters`), the `lightning-rl train` options (flows/cli/options.py)
+and the docs' settings table, docs/reference/settings.md (`python -m lightning_rl.flows.config
 --update-docs` rewrites it).
 
 Defaults are the CPU demo, `make demo`: SmolLM2-135M on this machine's cores, the calc agent (its

@@ -25,18 +25,21 @@ batches not yet trained; a resumed run cancels their unfinished rollouts and sam
 from __future__ import annotations
 
 import contextvars
-import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from lightning_core.collect import Collected
 
-# The running pipelines of this process, by run name: an iteration subflow finds its run's.
-_RUNNING: dict[str, RolloutsAhead] = {}
-_RUNNING_LOCK = threading.Lock()
+# The run's pipeline while it runs: the iteration subflows run in the flow's thread and context,
+# and find it here (a producer is no flow parameter: those are stored and shown).
+_AHEAD: contextvars.ContextVar[RolloutsAhead | None] = contextvars.ContextVar(
+    "lightning_rolloutsahead", default=None
+)
 
 
 @dataclass
@@ -90,12 +93,12 @@ class RolloutsAhead:
             target=context.run, args=(self._produce,), name=f"rollouts-ahead-{run_name}"
         )
         self._thread.daemon = True
+        self._entered: contextvars.Token[RolloutsAhead | None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> RolloutsAhead:
-        with _RUNNING_LOCK:
-            _RUNNING[self.run_name] = self
+        self._entered = _AHEAD.set(self)
         self._thread.start()
         return self
 
@@ -103,8 +106,9 @@ class RolloutsAhead:
         self._stopping.set()
         with self._changed:
             self._changed.notify_all()
-        with _RUNNING_LOCK:
-            _RUNNING.pop(self.run_name, None)
+        if self._entered is not None:
+            _AHEAD.reset(self._entered)
+            self._entered = None
         # A batch being sampled ends with its rollouts (the server goes down with the run).
         self._thread.join(timeout=5)
 
@@ -160,25 +164,34 @@ class RolloutsAhead:
             self._changed.notify_all()
 
 
-def running(run_name: str) -> RolloutsAhead | None:
-    """The pipeline of a run in this process; None with staleness 0 (or none running)."""
-    with _RUNNING_LOCK:
-        return _RUNNING.get(run_name)
+def running() -> RolloutsAhead | None:
+    """The pipeline of the run this thread works for; None with staleness 0 (or none running)."""
+    return _AHEAD.get()
 
 
-def version_index(policy: str | None, run_name: str) -> int:
-    """Which iteration published a policy version: `<run>-v<k>` (or an agent's
-    `<run>-v<k>-<agent>`) is k; the base model, or anything else, is 0."""
-    if policy is None:
-        return 0
-    found = re.fullmatch(rf"{re.escape(run_name)}-v(\d+)(?:-.+)?", policy)
-    return int(found.group(1)) if found else 0
+class PolicyRef(BaseModel, frozen=True):
+    """A policy version a run publishes: iteration k's adapter is `<run>-v<k>` (k = 0: the
+    champion a warm start begins from), an agent's own adapter `<run>-v<k>-<agent>`."""
+
+    run: str
+    index: int
+
+    def name(self, agent: str | None = None) -> str:
+        return f"{self.run}-v{self.index}" + (f"-{agent}" if agent else "")
 
 
-def staleness_metrics(collected: Collected, trained: int, run_name: str) -> dict[str, Any]:
+def staleness_metrics(
+    collected: Collected, trained: int, run_name: str, agents: list[str] | None = None
+) -> dict[str, Any]:
     """How many versions behind policy v`trained` (the one the update starts from) the
-    iteration's calls were sampled: `train/staleness_mean` and `_max` (none without calls)."""
-    lags = [trained - version_index(t.policy_version, run_name) for t in collected.transitions]
+    iteration's calls were sampled: `train/staleness_mean` and `_max` (none without calls).
+    A call served by the base model, or by anything but this run's versions, counts as v0."""
+    index = {
+        PolicyRef(run=run_name, index=k).name(agent): k
+        for k in range(trained + 1)
+        for agent in [None, *(agents or [])]
+    }
+    lags = [trained - index.get(t.policy_version or "", 0) for t in collected.transitions]
     if not lags:
         return {}
     return {

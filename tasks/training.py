@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, Field
 
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.distributed import train_data_parallel
@@ -223,6 +224,58 @@ def train_agent_policies(
             metrics[key] += trained[key]
         metrics |= {f"train/{name}/{k.removeprefix('train/')}": v for k, v in trained.items()}
     return metrics
+
+
+class Update(BaseModel):
+    """One iteration's LoRA update: from which adapter to which folder, and with which trainer."""
+
+    trainer: TrainerConfig
+    previous_adapter: str | None = Field(description="Adapter to continue (None: a new one).")
+    adapter_dir: str = Field(description="Folder the updated adapter is saved into, whole.")
+    updates: int = Field(1, description="Optimizer updates the batch is split into.")
+    seed: int = Field(0, description="Seeds the batch's shuffle.")
+    agents: list[str] | None = Field(
+        None, description="One adapter per agent, each on its own calls (policy_per_agent)."
+    )
+    offline: OfflineConfig | None = Field(
+        None, description="Set for captured production episodes (data=episodes)."
+    )
+
+
+def update_policy(
+    update: Update, transitions: Sequence[Transition] = (), batch: OfflineBatch | None = None
+) -> dict[str, Any]:
+    """The iteration's update, whichever trainer it takes: the offline trainer on `batch`,
+    one train-policy per agent, or train-policy on the transitions. Returns its metrics."""
+    if update.offline is not None:
+        if batch is None:
+            raise ValueError("an offline update needs the episodes' batch")
+        return train_offline(
+            update.trainer,
+            batch,
+            update.previous_adapter,
+            update.adapter_dir,
+            update.offline,
+            update.updates,
+            update.seed,
+        )
+    if update.agents:
+        return train_agent_policies(
+            agent_trainer_configs(update.trainer, update.agents),
+            transitions,
+            update.previous_adapter,
+            update.adapter_dir,
+            update.updates,
+            update.seed,
+        )
+    return train_policy(
+        update.trainer,
+        list(transitions),
+        update.previous_adapter,
+        update.adapter_dir,
+        update.updates,
+        update.seed,
+    )
 
 
 def _policy_versions(

@@ -12,7 +12,8 @@ from prefect import flow
 from prefect.exceptions import ParameterTypeError
 
 from lightning_core.errors import LightningError
-from lightning_rl.flows.cli import train_command, train_fields
+from lightning_rl.flows.cli.options import train_fields
+from lightning_rl.flows.cli.train import train_command
 from lightning_rl.flows.config import (
     SETTINGS_END,
     SETTINGS_PAGE,
@@ -188,7 +189,7 @@ def test_flags_reach_the_settings_under_their_field_names(monkeypatch):
     from typer.testing import CliRunner
 
     from lightning_core.cli import app
-    from lightning_rl.flows import cli
+    from lightning_rl.flows.cli import train as cli
 
     seen: dict[str, Any] = {}
 
@@ -198,8 +199,8 @@ def test_flags_reach_the_settings_under_their_field_names(monkeypatch):
 
     monkeypatch.setattr(cli, "train_fields", capture)
     # Not in the test process: they set Prefect's environment and a SIGTERM handler.
-    monkeypatch.setattr(cli, "_quiet_prefect", lambda: None)
-    monkeypatch.setattr(cli, "_interrupt_on_sigterm", lambda: None)
+    monkeypatch.setattr(cli, "quiet_prefect", lambda: None)
+    monkeypatch.setattr(cli, "interrupt_on_sigterm", lambda: None)
     args = ["--shared-policy", "--train-agent", "a", "--train-agents", "b", "--iterations", "3"]
     args += ["--trainer", "{}", "--resume", "r1"]
     result = CliRunner().invoke(app, ["train", *args])
@@ -210,7 +211,7 @@ def test_flags_reach_the_settings_under_their_field_names(monkeypatch):
 
 
 def test_a_users_success_threshold_is_kept_and_the_profiles_fills_in_only_when_unset():
-    from lightning_rl.flows.train import _credit
+    from lightning_rl.flows.run_context import credit as _credit
     from lightning_rl.tasks.profiles import profile
 
     rag = profile("rag", None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_core.errors import LightningError
-from lightning_rl.flows.cli import train_fields
+from lightning_rl.flows.cli.options import train_fields
 from lightning_rl.flows.config import TrainConfig
 from tests.helpers import run_cli
 

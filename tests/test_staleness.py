@@ -67,7 +67,7 @@ def test_with_staleness_1_the_next_batch_is_sampled_before_the_update_and_then_w
     assert sampled == [(1, "base"), (2, "base"), (3, "r-v1"), (4, "r-v2")]
     with pytest.raises(RuntimeError, match="taken already"):
         ahead.take(4)
-    assert pipeline.running("r") is None
+    assert pipeline.running() is None
 
 
 def test_with_staleness_0_each_batch_waits_for_the_previous_version():
@@ -108,14 +108,21 @@ def test_staleness_is_counted_in_versions_behind_the_trained_policy():
             policy_version=version,
         )
 
-    assert pipeline.version_index("run-v3", "run") == 3
-    assert pipeline.version_index("run-v3-writer", "run") == 3
-    assert pipeline.version_index("base-model", "run") == 0
-    assert pipeline.version_index("other-v3", "run") == 0
+    assert pipeline.PolicyRef(run="run", index=3).name() == "run-v3"
+    assert pipeline.PolicyRef(run="run", index=3).name("writer") == "run-v3-writer"
     found = pipeline.staleness_metrics(
         Collected(transitions=[t("run-v1"), t("run-v2"), t("run-v2")]), 2, "run"
     )
     assert found == {"train/staleness_mean": pytest.approx(1 / 3), "train/staleness_max": 1.0}
+    # An agent's own version counts as its iteration's; the base model, or another run's
+    # version, as v0.
+    agents = pipeline.staleness_metrics(
+        Collected(transitions=[t("run-v3-writer"), t("base-model"), t("other-v3")]),
+        3,
+        "run",
+        ["writer"],
+    )
+    assert agents == {"train/staleness_mean": pytest.approx(2.0), "train/staleness_max": 3.0}
 
 
 def test_staleness_turns_truncated_importance_sampling_on_unless_set():
@@ -280,8 +287,8 @@ def omp_unset():
 def test_overlapping_on_cpu_makes_openmp_wait_passively_before_torch_loads(
     argv, passive, omp_unset
 ):
-    from lightning_rl.flows.cli import _passive_openmp
-    from lightning_rl.flows.train import _server_env
+    from lightning_rl.flows.cli.openmp import passive_openmp as _passive_openmp
+    from lightning_rl.flows.run_start import server_env as _server_env
 
     _passive_openmp(argv)
     assert (os.environ.get("OMP_WAIT_POLICY") == "PASSIVE") is passive
@@ -308,7 +315,7 @@ def test_overlapping_on_cpu_makes_openmp_wait_passively_before_torch_loads(
 def test_a_staleness_from_the_config_file_or_the_resumed_run_also_makes_openmp_passive(
     tmp_path, omp_unset, extra, passive
 ):
-    from lightning_rl.flows.cli import _passive_openmp
+    from lightning_rl.flows.cli.openmp import passive_openmp as _passive_openmp
 
     config = tmp_path / "overlap.json"
     config.write_text(json.dumps({"staleness": 2, "run_dir": str(tmp_path / "runs")}))

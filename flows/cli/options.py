@@ -1,0 +1,232 @@
+"""`lightning-rl train`'s options, one per TrainConfig field (generated, so the CLI, the flow's
+parameters and the settings reference cannot drift apart), and how the command layers the
+preset, a resumed run's config, a --config file and the flags into one set of fields."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
+
+import typer
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from rich.markup import escape
+
+from lightning_core.errors import LightningError
+
+# Option names of earlier releases, kept working beside the generated ones. " /--x" adds an
+# off switch alone (click splits a declaration at "/" into on and off names; an empty on name
+# is skipped).
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "train_agents": ("--train-agent",),
+    "policy_per_agent": (" /--shared-policy",),
+}
+_NESTED_PANEL = "Nested settings: a JSON object, merged over the default (or --config's)"
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_option(name: str, field: FieldInfo, default: Any) -> inspect.Parameter:
+    """The `lightning-rl train` option of one TrainConfig field. Every option defaults to None,
+    "not given", so that a --config file's value (or --resume's) stays unless a flag is given."""
+    # Escaped: typer reads help as rich markup, and "lightning-rl[cluster]" is meant as text.
+    help_text = escape(field.description or "")
+    annotation: Any = field.annotation
+    if _is_model(annotation):
+        keys = ", ".join(annotation.model_fields)
+        option = typer.Option(
+            _flag(name),
+            help=f"{help_text} Keys: {keys}.",
+            metavar="JSON",
+            show_default=False,
+            rich_help_panel=_NESTED_PANEL,
+        )
+        annotation = str
+    else:
+        decls = (f"{_flag(name)}/--no-{_flag(name)[2:]}",) if annotation is bool else (_flag(name),)
+        if get_origin(annotation) in (Union, UnionType):  # X | None: None is "not given" here
+            annotation = next(a for a in get_args(annotation) if a is not type(None))
+        if get_origin(annotation) is list:
+            help_text += " Repeat the option for more."
+        option = typer.Option(
+            *decls,
+            *_ALIASES.get(name, ()),
+            help=help_text,
+            show_default=False if default is None else str(default),
+        )
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[annotation | None, option],
+    )
+
+
+def _command_options() -> list[inspect.Parameter]:
+    """The options of `train` that are not settings."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return [
+        inspect.Parameter(
+            "config",
+            keyword,
+            default=None,
+            annotation=Annotated[
+                Path | None,
+                typer.Option(help="JSON file of TrainConfig fields (flows/config.py); flags win."),
+            ],
+        ),
+        inspect.Parameter(
+            "preset",
+            keyword,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Option(
+                    metavar="NAME",
+                    help="Start from a named set of settings (flows/presets.py): cpu (the "
+                    "defaults) or gpu (Qwen2.5-1.5B-Instruct on vLLM, bf16, larger batches); "
+                    "--config and flags win over it.",
+                ),
+            ],
+        ),
+        inspect.Parameter(
+            "resume",
+            keyword,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Option(
+                    metavar="RUN",
+                    help="Continue the run folder RUN (in --run-dir) from its last finished "
+                    "iteration, with the config it started with (--iterations may extend it).",
+                ),
+            ],
+        ),
+        inspect.Parameter(
+            "quiet",
+            keyword,
+            default=False,
+            annotation=Annotated[bool, typer.Option(help="No live view; print the summary only.")],
+        ),
+    ]
+
+
+def train_signature() -> inspect.Signature:
+    from lightning_rl.flows.config import TrainConfig
+
+    defaults = TrainConfig()
+    fields = [
+        _field_option(name, field, getattr(defaults, name))
+        for name, field in TrainConfig.model_fields.items()
+    ]
+    clash = {p.name for p in fields} & {p.name for p in _command_options()}
+    assert not clash, f"TrainConfig fields clash with train's own options: {clash}"
+    return inspect.Signature([*fields, *_command_options()], return_annotation=None)
+
+
+def _json_object(name: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LightningError(f"{_flag(name)} takes a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise LightningError(f"{_flag(name)} takes a JSON object, not {text!r}")
+    return value
+
+
+def _unknown_keys(model: type[BaseModel], value: dict[str, Any], where: str) -> list[str]:
+    """Keys of `value` that `model` (which ignores unknown keys) has no field for: typos."""
+    unknown = []
+    for key, item in value.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            unknown.append(f"{where}{key}")
+        elif isinstance(item, dict) and _is_model(field.annotation):
+            unknown += _unknown_keys(field.annotation, item, f"{where}{key}.")
+    return unknown
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, nested objects merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            value = _merged(out[key], value)
+        out[key] = value
+    return out
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LightningError(f"cannot read {what} {path}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise LightningError(f"{what} {path} is not a JSON object")
+    return value
+
+
+def train_fields(
+    options: dict[str, Any], config: Path | None, resume: str | None
+) -> dict[str, Any]:
+    """TrainConfig's fields from, in the order they win: the defaults, the --preset
+    (`options["preset"]`, flows/presets.py), the resumed run's config, the --config file, the
+    flags. Nested settings merge key by key over the layer below, so
+    `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
+    from lightning_rl.flows.config import TrainConfig
+    from lightning_rl.flows.presets import preset_fields
+    from lightning_rl.flows.run_state import CONFIG_FILE, check_run_name, run_path
+
+    # The preset travels with the flags (so this signature stays) but is no setting itself.
+    options = dict(options)
+    preset = options.pop("preset", None)
+    flags: dict[str, Any] = {}
+    for name, value in options.items():
+        if value is None or value == []:
+            continue
+        is_model = name in nested_fields()
+        flags[name] = _json_object(name, value) if is_model else value
+    from_file = _read_json(config, "config") if config is not None else {}
+    layers = [from_file, flags]
+    if resume is not None:
+        run_dir = flags.get("run_dir") or from_file.get("run_dir") or TrainConfig().run_dir
+        if flags.get("run_name", resume) != resume:
+            raise LightningError(f"--resume {resume} and --run-name {flags['run_name']} disagree")
+        saved = run_path(run_dir, check_run_name(resume)) / CONFIG_FILE
+        if not saved.is_file():
+            raise LightningError(
+                f"cannot resume {resume}: no {saved} (a run writes it when it starts)"
+            )
+        layers = [_read_json(saved, "the config of run"), *layers]
+        layers.append({"run_name": resume, "run_dir": run_dir})
+    if preset is not None:
+        layers = [preset_fields(preset), *layers]
+    defaults = TrainConfig().model_dump(mode="json")
+    fields: dict[str, Any] = {}
+    for layer in layers:
+        fields = _merged(fields, layer)
+    unknown = _unknown_keys(TrainConfig, fields, "")
+    if unknown:
+        raise LightningError(f"unknown training settings: {', '.join(unknown)}")
+    if isinstance(fields.get("run_name"), str):  # one line here, not pydantic's report
+        check_run_name(fields["run_name"])
+    # Nested settings over TrainConfig's defaults (the demo trainer), not their class's.
+    for name in nested_fields():
+        if name in fields:
+            fields[name] = _merged(defaults[name], fields[name])
+    return fields
+
+
+def nested_fields() -> set[str]:
+    from lightning_rl.flows.config import nested_models
+
+    return set(nested_models())

@@ -1,0 +1,131 @@
+"""`lightning-rl production`: a registered policy served to agents in production, their
+episodes and late feedback kept for retraining (data=episodes)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lightning_core.cli import _fail, app
+from lightning_core.errors import LightningError
+from lightning_rl.flows.cli.common import agents_from_cwd, quiet_prefect
+
+
+@app.command("production")
+def production(
+    agent: Annotated[str, typer.Option(help="Agent profile (calc) or 'module:function'.")] = "calc",
+    policy: Annotated[
+        str, typer.Option(help="Registered version to serve: champion, another alias, a number.")
+    ] = "champion",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 4748,
+    host: Annotated[str, typer.Option(help="Address to bind (off loopback: set a key).")] = (
+        "127.0.0.1"
+    ),
+    db: Annotated[
+        str | None,
+        typer.Option(
+            help="Store of the captured episodes (default runs/production/<agent>.duckdb)."
+        ),
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Base model of the adapter.")] = None,
+    tasks: Annotated[str | None, typer.Option(help="Task loader 'module:function'.")] = None,
+    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI.")] = None,
+    registered_model: Annotated[
+        str | None, typer.Option(help="Registered model (default: the agent profile's).")
+    ] = None,
+) -> None:
+    """Serve a registered policy (the champion) to agents in production, and keep their episodes.
+
+    Clients call the OpenAI or Anthropic API at http://HOST:PORT/v1 with model "champion" (or
+    the version's own name) and an `X-Lightning-Episode` header (or metadata.episode_id); each
+    episode's calls are stored with their exact tokens, and feedback arrives later at
+    POST /episodes/<id>/feedback. A retraining run (data=episodes) reads both from this server.
+    The API key is LIGHTNING_API_KEY, else a new one written to <db>.key (mode 0600).
+    """
+    quiet_prefect()
+    import asyncio
+    import secrets
+
+    from lightning_core.errors import Conflict
+    from lightning_core.store.config import StoreConfig
+    from lightning_core.store.duckdb_store import DuckDBStore
+    from lightning_core.types import PolicyVersion
+    from lightning_rl.registry.config import RegistryConfig, resolve
+    from lightning_rl.registry.versions import champion_adapter
+    from lightning_rl.tasks.profiles import profile
+    from lightning_rl.tasks.server import read_key, write_key_file
+
+    agents_from_cwd()
+    try:
+        spec = profile(agent, tasks)
+        overrides = {"tracking_uri": tracking_uri, "registered_model": registered_model or ""}
+        config = resolve(RegistryConfig(**overrides), spec.registered_model)
+        store_path = Path(db or Path("runs") / "production" / f"{spec.name}.duckdb").resolve()
+        store_path.parent.mkdir(parents=True, exist_ok=True)
+        # Downloaded beside the store and renamed into place, whole; a temporary folder that
+        # goes away either way.
+        with tempfile.TemporaryDirectory(dir=store_path.parent, prefix=".download-") as download:
+            found = champion_adapter(config, policy, dst=download)
+            if found is None:
+                raise LightningError(
+                    f"registered model {config.registered_model!r} has no version {policy!r}: "
+                    "train one first (lightning-rl train)"
+                )
+            name = f"{config.registered_model}-v{found.version}"
+            # The adapter beside the store, where it stays as long as episodes name it.
+            adapter = store_path.parent / "adapters" / name
+            if not adapter.exists():
+                adapter.parent.mkdir(exist_ok=True)
+                os.replace(found.adapter, adapter)
+
+        async def register() -> None:
+            store = DuckDBStore(StoreConfig(db=str(store_path)))
+            try:
+                # Served before: the same version in the same folder is there already.
+                with contextlib.suppress(Conflict):
+                    await store.add_policy_version(
+                        PolicyVersion(
+                            name=name,
+                            base_model=model or "default",
+                            adapter_path=str(adapter),
+                            metadata={
+                                "registered_model": config.registered_model,
+                                "version": found.version,
+                            },
+                        )
+                    )
+            finally:
+                await store.close()
+
+        asyncio.run(register())
+    except LightningError as exc:
+        _fail(exc)
+    key_file = Path(f"{store_path}.key")
+    key = (
+        os.environ.get("LIGHTNING_API_KEY")
+        or (read_key(str(key_file)) if key_file.exists() else None)
+        or secrets.token_urlsafe(32)
+    )
+    write_key_file(key_file, key)
+    typer.echo(
+        f"serving {name} as {policy!r} (and {name!r}); episodes in {store_path}; key in {key_file}",
+        err=True,
+    )
+    env = {
+        **os.environ,
+        "LIGHTNING_API_KEY": key,
+        "LIGHTNING_MODEL_ALIASES": json.dumps({policy: name, "champion": name}),
+    }
+    argv = ["serve", "--host", host, "--port", str(port), "--db", str(store_path)]
+    if model:
+        argv += ["--model", model]
+    if spec.tool_format:
+        argv += ["--tool-format", spec.tool_format]
+    os.execvpe(sys.executable, [sys.executable, "-m", "lightning_core.cli", *argv], env)

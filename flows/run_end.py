@@ -1,0 +1,182 @@
+"""How a training run ends: base and final compared on the same held-out tasks, the final
+adapter registered in MLflow (promoted only through the gate), and the report: reward curve,
+Prefect artifacts and the summary the CLI prints."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from lightning_core import analytics
+from lightning_core.comparison import Comparison, compare
+from lightning_core.evaluation import EvalResult
+from lightning_rl.flows.run_context import RunContext, credit, policy_agents
+from lightning_rl.flows.run_start import Start
+from lightning_rl.flows.run_state import Checkpoint
+from lightning_rl.registry.promotion import PromotionDecision
+from lightning_rl.registry.runs import log_artifact, log_metrics_once, set_run_tags
+from lightning_rl.tasks import data as data_plan
+from lightning_rl.tasks import progress, report
+from lightning_rl.tasks.registry import register_policy
+
+
+class IterationsView:
+    """The Prefect UI's view of a run's iterations: a progress bar and the table of their
+    metrics, updated after each; and the policy server's restarts as an MLflow metric."""
+
+    def __init__(self, start: Start, checkpoint: Checkpoint) -> None:
+        self._start = start
+        self._bar = create_progress_artifact(
+            progress=100.0 * checkpoint.iteration / start.config.iterations,
+            key=report.artifact_key(start.agent.name, "training-progress"),
+            description=f"Iterations of {start.config.run_name} finished, in percent of "
+            f"{start.config.iterations}",
+        )
+
+    def finished(self, checkpoint: Checkpoint, server_restarts: int) -> None:
+        it, start = checkpoint.iteration, self._start
+        # Restarts of the policy server so far (it is brought back when it dies).
+        log_metrics_once(
+            {"server/restarts": server_restarts}, step=it, run_id=checkpoint.mlflow_run_id
+        )
+        update_progress_artifact(self._bar, progress=100.0 * it / start.config.iterations)
+        create_table_artifact(
+            checkpoint.history,
+            key=report.artifact_key(start.agent.name, "iterations"),
+            description=f"Per-iteration metrics of {start.config.run_name} (as logged to MLflow)",
+        )
+
+
+def _compare(start: Start, evals: list[tuple[int, EvalResult]]) -> Comparison:
+    """Base and final on the same tasks: per-tier rows and the paired interval of the gain."""
+    config = start.config
+    comparison = compare(
+        evals[0][1],
+        evals[-1][1],
+        start.test_tasks,
+        config.curriculum.tier_key,
+        credit(config, start.agent).success_threshold,
+        config.seed,
+    )
+    (start.root / "heldout_comparison.json").write_text(comparison.model_dump_json(indent=2))
+    get_run_logger().info("held-out, base vs final:\n%s", comparison.markdown())
+    return comparison
+
+
+def _register(start: Start, checkpoint: Checkpoint, final: EvalResult) -> PromotionDecision:
+    """The final adapter as a model version; champion only if it passes the gate."""
+    decision = register_policy(
+        start.registry,
+        checkpoint.adapter_dir,
+        start.config.model or "smollm2",
+        checkpoint.policy,
+        start.config.iterations,
+        final.score,
+        # None only from a checkpoint written before scores had one: refused, with why.
+        benchmark_id=final.benchmark_id or "",
+        benchmark_size=final.tasks,
+        run_id=checkpoint.mlflow_run_id,
+    )
+    get_run_logger().info("registry: %s", decision.reason)
+    # The data is taken: the next recurring run reads on from this run's watermark.
+    set_run_tags({data_plan.TAG_COMPLETE: "true"}, run_id=checkpoint.mlflow_run_id)
+    return decision
+
+
+def _summary(
+    start: Start,
+    checkpoint: Checkpoint,
+    comparison: Comparison,
+    decision: PromotionDecision,
+    curve: str,
+) -> dict[str, Any]:
+    base, final = checkpoint.evaluations[0].restored(), checkpoint.evaluations[-1].restored()
+    config = start.config
+    return {
+        "run": config.run_name,
+        "run_dir": str(start.root),
+        "agent": start.agent.name,
+        "iterations": config.iterations,
+        "base": base.model_dump(),
+        "final": final.model_dump(),
+        "gain_points": round((final.score - base.score) * 100, 1),
+        "gain_ci_points": list(comparison.gain_ci_points),
+        "per_tier": [r.model_dump() for r in comparison.rows],
+        "policy_version": checkpoint.policy,
+        "adapter": checkpoint.adapter_dir,
+        "policy_agents": policy_agents(config, start.agent),
+        "promotion": decision.model_dump(),
+        "reward_curve": curve,
+        "minutes": round((time.time() - start.started) / 60, 1),
+        "mlflow_run_id": checkpoint.mlflow_run_id,
+        "data": start.plan.model_dump(),
+        "benchmark_id": start.benchmark,
+        "warm_start": config.warm_start,
+    }
+
+
+def _report(
+    start: Start,
+    checkpoint: Checkpoint,
+    comparison: Comparison,
+    curve: Path,
+    summary: dict[str, Any],
+) -> None:
+    """The training report, the comparison and the held-out scores as Prefect artifacts."""
+    evals = [(e.iteration, e.restored()) for e in checkpoint.evaluations]
+    agent, title = start.agent.name, f"{start.agent.name}: {start.config.run_name}"
+    reason = summary["promotion"]["reason"]
+    create_markdown_artifact(
+        report.markdown(title, _history(start), evals, curve, reason, extra=summary),
+        key=report.artifact_key(agent, "training-report"),
+        description=f"Training report of {start.config.run_name}",
+    )
+    create_markdown_artifact(
+        comparison.markdown(),
+        key=report.artifact_key(agent, "heldout-comparison"),
+        description="Base vs final on the held-out tasks, per tier, with the paired gain",
+    )
+    create_table_artifact(
+        [{"iteration": i, **e.model_dump()} for i, e in evals],
+        key=report.artifact_key(agent, "heldout"),
+        description="Held-out score per evaluation",
+    )
+
+
+def _history(start: Start) -> Any:
+    con = analytics.connect(start.root, ":memory:")
+    try:
+        return analytics.history(con)
+    finally:
+        con.close()
+
+
+def finish(start: Start, run: RunContext, checkpoint: Checkpoint) -> dict[str, Any]:
+    """Compare, register, report; returns the run's summary."""
+    evals = [(e.iteration, e.restored()) for e in checkpoint.evaluations]
+    comparison = _compare(start, evals)
+    decision = _register(start, checkpoint, evals[-1][1])
+    title = f"{start.agent.name}: {run.run_name}"
+    curve = report.reward_curve(_history(start), evals, start.root / "reward_curve.png", title)
+    log_artifact(curve, run_id=checkpoint.mlflow_run_id)
+    summary = _summary(start, checkpoint, comparison, decision, str(curve))
+    _report(start, checkpoint, comparison, curve, summary)
+    return summary
+
+
+def done(start: Start, summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary into the run folder and its progress file, once the policy server is down:
+    `done` means nothing of the run is left running."""
+    (start.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    progress.report(start.root, "done", **{k: v for k, v in summary.items() if k != "promotion"})
+    return summary
