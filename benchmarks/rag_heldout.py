@@ -1,6 +1,7 @@
 """Held-out figures of a rag training run: base vs final, solved rate and mean F1, per tier.
 
     .venv/bin/python benchmarks/rag_heldout.py [runs/latest] [--by kind]
+    .venv/bin/python benchmarks/rag_heldout.py --quick   # a run of a minute, then its figures
 
 Reads the run's store (the run is over) and prints, per hop count (or per question kind with
 `--by kind`) and for all tasks: the solved rate (reward >= 0.9) with Wilson 95 % intervals,
@@ -9,20 +10,29 @@ and the mean word-level F1 of the answers, base and final, each gain with its pa
 
 F1 comes from the episode's reward, 0.1 x format + 0.9 x F1 (agents/rag/reward.py): a reply
 without an `ANSWER:` line scores 0 and has no answer, so its F1 is 0.
+
+--quick (the tests run it) first trains the rag agent for one iteration on the tiny random model
+into a temporary folder (benchmarks/quick_train.py) and reads that run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import tempfile
 from pathlib import Path
 
-import duckdb
-import numpy as np
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from lightning_core.comparison import paired_bootstrap
-from lightning_core.evaluation import wilson_interval
-from lightning_rl.agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT
+import duckdb  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.quick_train import train_quick  # noqa: E402
+from lightning_core.comparison import paired_bootstrap  # noqa: E402
+from lightning_core.evaluation import wilson_interval  # noqa: E402
+from lightning_rl.agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT  # noqa: E402
 
 SOLVED = 0.9
 
@@ -69,21 +79,30 @@ def row(name: str, base: np.ndarray, final: np.ndarray) -> tuple[str, float, tup
     return line, gain, (low, high)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, nargs="?", default=Path("runs/latest"))
     parser.add_argument("--by", choices=("tier", "kind"), default="tier")
-    args = parser.parse_args()
-    if not (args.run / "summary.json").is_file():
-        parser.error(f"{args.run} is not a finished run folder (no summary.json)")
-    summary, paired = load(args.run)
+    parser.add_argument("--quick", action="store_true", help="train a tiny run first, read it")
+    args = parser.parse_args(argv)
+    if args.quick:
+        with tempfile.TemporaryDirectory(prefix="rag-heldout-quick-") as tmp:
+            figures(parser, train_quick("rag", Path(tmp), "rag-quick"), args.by)
+    else:
+        figures(parser, args.run, args.by)
+
+
+def figures(parser: argparse.ArgumentParser, run: Path, by: str) -> None:
+    if not (run / "summary.json").is_file():
+        parser.error(f"{run} is not a finished run folder (no summary.json)")
+    summary, paired = load(run)
     if not paired:
-        parser.error(f"{args.run} holds no held-out rollouts of both policies")
-    column = 1 if args.by == "tier" else 2
+        parser.error(f"{run} holds no held-out rollouts of both policies")
+    column = 1 if by == "tier" else 2
     groups = sorted({p[column] for p in paired})
     print(f"run {summary['run']}: {len(paired)} held-out tasks, {summary['minutes']} min")
     print(
-        f"| {args.by} | tasks | base solved | final solved | gain, points [paired 95 % CI] "
+        f"| {by} | tasks | base solved | final solved | gain, points [paired 95 % CI] "
         "| base F1 | final F1 | F1 gain [paired 95 % CI] |"
     )
     print("|---|---:|---|---|---:|---:|---:|---:|")

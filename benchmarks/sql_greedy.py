@@ -13,6 +13,12 @@ agents/sql/grammar.py. Accuracy per tier comes with Wilson 95 % intervals.
 With `--run`, nothing is served: the same table for a finished `lightning-rl train --agent sql`
 run, base and final policy, from the held-out rollouts in its store (each one's last query is
 the last writer or rewriter reply).
+
+    .venv/bin/python benchmarks/sql_greedy.py --quick   # the same code in seconds (the tests)
+
+--quick serves the tiny random model instead of SmolLM2 and asks the first 2 questions of the
+split, both arms, with every reply cut at 32 tokens (the checker's at 16); its queries are noise
+(nearly all "failed"), the code path is the real one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import duckdb
 
 from lightning_core import semconv
 from lightning_core.evaluation import wilson_interval
+from lightning_core.models import DEFAULT_MODEL, TINY_MODEL
 from lightning_core.serving import free_port, start_serve, stop_serve
 from lightning_core.types import LLMEndpoint
 from lightning_rl.agents.sql import tool
@@ -53,9 +60,15 @@ def outcome(task: dict, sql: str) -> tuple[str, str]:
     return ("rows, wrong" if result.rows else "no rows"), ""
 
 
-async def run_arm(tasks: list[dict], endpoint: LLMEndpoint, constrain: bool, concurrency: int):
+async def run_arm(
+    tasks: list[dict],
+    endpoint: LLMEndpoint,
+    constrain: bool,
+    concurrency: int,
+    **agent_config: int,
+):
     gate = asyncio.Semaphore(concurrency)
-    config = SQLAgentConfig(constrain=constrain)
+    config = SQLAgentConfig(constrain=constrain, **agent_config)
 
     async def one(task: dict) -> tuple[str, str, str]:
         async with gate:
@@ -126,7 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--run", type=Path, help="A finished sql training run's folder: read, nothing served."
     )
+    parser.add_argument("--size", type=int, default=10_000, help="Questions of the split asked.")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 questions")
     args = parser.parse_args(argv)
+    serve_options: tuple[str, ...] = ()
+    model, agent_config = DEFAULT_MODEL, {}
+    if args.quick:
+        args.size, serve_options, model = 2, ("--model", "tiny"), TINY_MODEL
+        agent_config = {"sql_max_tokens": 32, "check_max_tokens": 16}
     if args.run is not None:
         if not (args.run / "summary.json").is_file():
             parser.error(f"{args.run} has no summary.json: not a finished training run")
@@ -138,20 +158,22 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         parser.error(f"--arms takes free and/or grammar, not {unknown or 'nothing'}")
-    tasks = load_tasks(args.split, 10_000)
+    tasks = load_tasks(args.split, args.size)
     port = free_port()
     with tempfile.TemporaryDirectory() as scratch:
-        server = start_serve(Path(scratch) / "store.duckdb", port)
+        server = start_serve(Path(scratch) / "store.duckdb", port, *serve_options)
         try:
             endpoint = LLMEndpoint(
                 base_url=f"http://127.0.0.1:{port}/v1",
-                model="SmolLM2-135M-Instruct",
+                model=model,
                 sampling={"temperature": 0},
             )
-            print(f"SQL agent, greedy base SmolLM2-135M, {args.split} split")
+            print(f"SQL agent, greedy base {model}, {args.split} split")
             for arm in arms:
                 started = time.monotonic()
-                rows = asyncio.run(run_arm(tasks, endpoint, ARMS[arm], args.concurrency))
+                rows = asyncio.run(
+                    run_arm(tasks, endpoint, ARMS[arm], args.concurrency, **agent_config)
+                )
                 report(arm, rows, time.monotonic() - started)
         finally:
             stop_serve(server)

@@ -13,6 +13,11 @@ sent in one `add_spans` call (which the client coalesces across runners).
 
     python benchmarks/store_throughput.py            # both stores, prints the table
     python benchmarks/store_throughput.py --skip-peer --total 512
+    python benchmarks/store_throughput.py --quick    # the same code on 32 rollouts (the tests)
+
+--quick: 32 rollouts in batches of 16, 4 runners in one runner process, both stores on free
+ports. Agent Lightning is measured only if its venv is already built (else its row is left
+out, said in a line): building it takes a minute and 800 MB.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.workload import WorkloadShape, generate_attributes, rollout_plan  # noqa: E402
 from lightning_core import semconv  # noqa: E402
-from lightning_core.serving import start_serve, stop_serve  # noqa: E402
+from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E402
 from lightning_core.store.client import HttpStoreClient  # noqa: E402
 from lightning_core.types import Claim, RolloutRequest, RolloutStatus, Span  # noqa: E402
 
@@ -279,7 +284,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=4757)
     parser.add_argument("--peer-port", type=int, default=4748)
     parser.add_argument("--skip-peer", action="store_true", help="measure lightning-rl only")
+    parser.add_argument(
+        "--quick", action="store_true", help="32 rollouts, 4 runners, free ports, no peer to build"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.total, args.batch_size, args.runners, args.runner_processes = 32, 16, 4, 1
+        args.port, args.peer_port = free_port(), free_port()
+        from benchmarks.peers import agentlightning
+
+        if not args.skip_peer and not agentlightning.is_installed():
+            print(f"quick: no Agent Lightning row ({agentlightning.venv_dir()} is not built)")
+            args.skip_peer = True
     shape = WorkloadShape(
         total_rollouts=args.total,
         batch_size=args.batch_size,

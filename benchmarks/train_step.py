@@ -12,6 +12,10 @@ more forward). N counts every parameter of the base model, embeddings included (
 them with the output layer, which does run once per token).
 
     python benchmarks/train_step.py
+    python benchmarks/train_step.py --quick   # the same code in seconds (the tests run it)
+
+--quick: the tiny random model, 4 transitions x 64 tokens, one timed step, the matmul speed
+measured on 512 x 512 matrices; its figures say nothing of SmolLM2's.
 """
 
 from __future__ import annotations
@@ -72,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
+    parser.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n matmul")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 x 64 tokens, 1 step")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.rows, args.tokens, args.steps, args.matmul_size = "tiny", 4, 64, 1, 512
 
     trainer = LoRATrainer(
         TrainerConfig(
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         peak_what = "process RSS"
 
-    peak_flops = matmul_flops(trainer.dtype, trainer.device)
+    peak_flops = matmul_flops(trainer.dtype, trainer.device, args.matmul_size)
     per_token = (6 if args.checkpointing else 4) * n_params
     achieved = per_token * tokens / seconds
     mfu = achieved / peak_flops

@@ -71,6 +71,13 @@ def _marker_text() -> str:
     return "\n".join([*REQUIREMENTS, *(f"-{name}" for name in OTEL_UNINSTALL)]) + "\n"
 
 
+def is_installed(cache_dir: Path | None = None) -> bool:
+    """Whether a complete venv is there already (`ensure_venv` would not build one)."""
+    venv = venv_dir(cache_dir)
+    marker = venv / MARKER_NAME
+    return marker.is_file() and marker.read_text() == _marker_text() and _venv_python(venv).exists()
+
+
 def ensure_venv(cache_dir: Path | None = None, log: Callable[[str], None] = print) -> Path:
     """Create the Agent Lightning venv unless a complete one is there; return its python."""
     venv = venv_dir(cache_dir)
@@ -84,7 +91,7 @@ def ensure_venv(cache_dir: Path | None = None, log: Callable[[str], None] = prin
 def _ensure_venv_locked(venv: Path, log: Callable[[str], None]) -> Path:
     marker = venv / MARKER_NAME
     python = _venv_python(venv)
-    if marker.is_file() and marker.read_text() == _marker_text() and python.exists():
+    if is_installed(venv.parent):
         return python
     if venv.exists():
         log(f"agentlightning: removing incomplete or outdated venv {venv}")

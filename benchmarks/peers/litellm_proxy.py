@@ -70,6 +70,21 @@ def venv_dir() -> Path:
     return cache_dir() / "peers" / f"litellm-{LITELLM_VERSION}"
 
 
+def is_installed(venv: Path | None = None) -> bool:
+    """Whether a complete venv is there already (`ensure_venv` would not build one)."""
+    venv = venv or venv_dir()
+    marker = venv / MARKER_NAME
+    return (
+        marker.is_file()
+        and marker.read_text() == _marker_text()
+        and (venv / "bin" / "python").exists()
+    )
+
+
+def _marker_text() -> str:
+    return "\n".join(REQUIREMENTS) + "\n"
+
+
 def ensure_venv(log: Callable[[str], None] = print) -> tuple[Path, float | None]:
     """Create the LiteLLM venv unless a complete one is there.
 
@@ -86,8 +101,8 @@ def ensure_venv(log: Callable[[str], None] = print) -> tuple[Path, float | None]
 def _ensure_venv_locked(venv: Path, log: Callable[[str], None]) -> tuple[Path, float | None]:
     marker = venv / MARKER_NAME
     python = venv / "bin" / "python"
-    marker_text = "\n".join(REQUIREMENTS) + "\n"
-    if marker.is_file() and marker.read_text() == marker_text and python.exists():
+    marker_text = _marker_text()
+    if is_installed(venv):
         return python, None
     if venv.exists():
         log(f"litellm: removing incomplete or outdated venv {venv}")
