@@ -167,3 +167,19 @@ def test_the_policy_learns_a_toy_bandit(tmp_path):
     print("bandit mean reward per update:", [round(h, 2) for h in history])
     assert history[0] < 0.5, history
     assert history[-1] >= 0.8, history
+
+
+def test_a_trainer_prints_nothing_while_it_loads_and_steps(capfd, tmp_path):
+    """Issue 26: "Loading weights" bars and a transformers FutureWarning in every run's terminal
+    read as failures to a newcomer."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # as a user's terminal shows them
+        trainer = LoRATrainer(config())
+        trainer.step(transitions(0))
+        trainer.save(tmp_path / "v1")
+        LoRATrainer(config(), adapter=tmp_path / "v1")
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err
+    assert "Warning" not in err, err

@@ -19,8 +19,10 @@ layout back, for publishing and registering the agents' adapters together.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,12 +72,22 @@ def _load_state(path: Path, device: torch.device) -> dict[str, Any]:
     return saved
 
 
+@contextlib.contextmanager
+def _peft_quietly() -> Iterator[None]:
+    # PEFT asks transformers `is_gradient_checkpointing`, which transformers 5 deprecates with a
+    # FutureWarning on every run: noise for a user, who can do nothing about it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
+
+
 class LoRATrainer:
     """Trains a LoRA adapter on top of a frozen base model."""
 
     def __init__(self, config: TrainerConfig | None = None, adapter: str | Path | None = None):
         from peft import LoraConfig, PeftModel, get_peft_model
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         self.config = config = config or TrainerConfig()
         self.device = torch.device(
@@ -84,6 +96,9 @@ class LoRATrainer:
         dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = getattr(torch, dtype_name)
         torch.manual_seed(config.seed)
+        # A local folder loads in about a second: its progress bar in the run's terminal read
+        # as a stage of its own, or as a failure when it tore the live view.
+        hf_logging.disable_progress_bar()
         base = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=self.dtype)
         base.to(self.device)
         if config.gradient_checkpointing:
@@ -93,7 +108,8 @@ class LoRATrainer:
             # The folder may come from the registry (warm_start=champion): whoever registered
             # it chose its files, so they are checked before PEFT reads them.
             adapter_config(Path(adapter), self._adapter_limits())
-            self.model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
+            with _peft_quietly():
+                self.model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
         else:
             layers = base.config.num_hidden_layers
             top = config.lora.top_layers
@@ -104,7 +120,8 @@ class LoRATrainer:
                 target_modules=config.lora.target_modules,
                 layers_to_transform=list(range(layers - top, layers)) if top else None,
             )
-            self.model = get_peft_model(base, lora)
+            with _peft_quietly():
+                self.model = get_peft_model(base, lora)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.learning_rate, weight_decay=config.weight_decay
