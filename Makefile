@@ -72,8 +72,9 @@ docs: setup-dev
 docs-serve: setup-dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
+# --durations=25: the slowest tests stay in sight of whoever reads the output (CI's budget).
 test: setup-dev
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 test-fast: setup-dev
 	$(BIN)/python -m pytest -q -ra -m "not slow"
