@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -123,3 +124,24 @@ async def make_store(request) -> AsyncIterator[Callable[..., Any]]:
 @pytest.fixture
 async def store(make_store):
     return await make_store()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_prefects_own_server() -> Iterator[None]:
+    """A task or flow that some test runs without a Prefect API makes Prefect start a temporary
+    server of its own, which Prefect stops at interpreter exit. By then pytest has closed the
+    streams Prefect's console handler writes to, and a passing run ended with a "--- Logging
+    error ---" traceback after its summary line. Stopped here, at the end of the session, its
+    last logs and events sent first (as flows/prefect_server.py does for a flow's server)."""
+    yield
+    if "prefect.server.api.server" not in sys.modules:
+        return  # none was started
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=10)
+    for server in list(SubprocessASGIServer._instances.values()):
+        server.stop()
