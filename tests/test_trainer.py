@@ -176,7 +176,7 @@ def test_a_trainer_prints_nothing_while_it_loads_and_steps(capfd, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("default")  # as a user's terminal shows them
-        trainer = LoRATrainer(config())
+        trainer = LoRATrainer(config(gradient_checkpointing=True))
         trainer.step(transitions(0))
         trainer.save(tmp_path / "v1")
         LoRATrainer(config(), adapter=tmp_path / "v1")

@@ -73,11 +73,12 @@ def _load_state(path: Path, device: torch.device) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _peft_quietly() -> Iterator[None]:
-    # PEFT asks transformers `is_gradient_checkpointing`, which transformers 5 deprecates with a
-    # FutureWarning on every run: noise for a user, who can do nothing about it.
+def _quietly() -> Iterator[None]:
+    # transformers 5 deprecates the gradient checkpointing names that PEFT (and we, for older
+    # versions' sake) still call, with a FutureWarning on every run: noise for a user, who can
+    # do nothing about it.
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated")
         yield
 
 
@@ -102,13 +103,14 @@ class LoRATrainer:
         base = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=self.dtype)
         base.to(self.device)
         if config.gradient_checkpointing:
-            base.gradient_checkpointing_enable()
+            with _quietly():
+                base.gradient_checkpointing_enable()
             base.enable_input_require_grads()
         if adapter is not None:
             # The folder may come from the registry (warm_start=champion): whoever registered
             # it chose its files, so they are checked before PEFT reads them.
             adapter_config(Path(adapter), self._adapter_limits())
-            with _peft_quietly():
+            with _quietly():
                 self.model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
         else:
             layers = base.config.num_hidden_layers
@@ -120,7 +122,7 @@ class LoRATrainer:
                 target_modules=config.lora.target_modules,
                 layers_to_transform=list(range(layers - top, layers)) if top else None,
             )
-            with _peft_quietly():
+            with _quietly():
                 self.model = get_peft_model(base, lora)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
