@@ -62,7 +62,7 @@ def _wait_healthy(process: subprocess.Popen, url: str, timeout_s: float) -> None
     )
 
 
-def _flush_to_server() -> None:
+def flush_to_server() -> None:
     """Send the flow's last logs and events while the server still runs. Left to Prefect's exit
     hooks, they went to the stopped server and retried for over a minute before the process
     could exit, ending with "--- Error logging to API ---"."""
@@ -114,7 +114,7 @@ def temporary_server() -> Iterator[str | None]:
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url
     finally:
-        _flush_to_server()
+        flush_to_server()
         os.environ.pop("PREFECT_API_URL", None)
         process.terminate()
         try:

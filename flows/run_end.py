@@ -96,11 +96,12 @@ def _register(start: Start, checkpoint: Checkpoint, final: EvalResult) -> Promot
 def _summary(
     start: Start,
     checkpoint: Checkpoint,
+    evals: list[tuple[int, EvalResult]],
     comparison: Comparison,
     decision: PromotionDecision,
     curve: str,
 ) -> dict[str, Any]:
-    base, final = checkpoint.evaluations[0].restored(), checkpoint.evaluations[-1].restored()
+    base, final = evals[0][1], evals[-1][1]
     config = start.config
     return {
         "run": config.run_name,
@@ -127,17 +128,18 @@ def _summary(
 
 def _report(
     start: Start,
-    checkpoint: Checkpoint,
+    title: str,
+    history: Any,
+    evals: list[tuple[int, EvalResult]],
     comparison: Comparison,
     curve: Path,
     summary: dict[str, Any],
 ) -> None:
     """The training report, the comparison and the held-out scores as Prefect artifacts."""
-    evals = [(e.iteration, e.restored()) for e in checkpoint.evaluations]
-    agent, title = start.agent.name, f"{start.agent.name}: {start.config.run_name}"
+    agent = start.agent.name
     reason = summary["promotion"]["reason"]
     create_markdown_artifact(
-        report.markdown(title, _history(start), evals, curve, reason, extra=summary),
+        report.markdown(title, history, evals, curve, reason, extra=summary),
         key=report.artifact_key(agent, "training-report"),
         description=f"Training report of {start.config.run_name}",
     )
@@ -167,10 +169,12 @@ def finish(start: Start, run: RunContext, checkpoint: Checkpoint) -> dict[str, A
     comparison = _compare(start, evals)
     decision = _register(start, checkpoint, evals[-1][1])
     title = f"{start.agent.name}: {run.run_name}"
-    curve = report.reward_curve(_history(start), evals, start.root / "reward_curve.png", title)
+    # Read once: the curve and the report show the same iterations.
+    history = _history(start)
+    curve = report.reward_curve(history, evals, start.root / "reward_curve.png", title)
     log_artifact(curve, run_id=checkpoint.mlflow_run_id)
-    summary = _summary(start, checkpoint, comparison, decision, str(curve))
-    _report(start, checkpoint, comparison, curve, summary)
+    summary = _summary(start, checkpoint, evals, comparison, decision, str(curve))
+    _report(start, title, history, evals, comparison, curve, summary)
     return summary
 
 

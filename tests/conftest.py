@@ -136,12 +136,10 @@ def _stop_prefects_own_server() -> Iterator[None]:
     yield
     if "prefect.server.api.server" not in sys.modules:
         return  # none was started
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
     from prefect.server.api.server import SubprocessASGIServer
 
-    for worker in (APILogWorker, EventsWorker):
-        with contextlib.suppress(Exception):
-            worker.drain_all(timeout=10)
+    from lightning_rl.flows.prefect_server import flush_to_server
+
+    flush_to_server()
     for server in list(SubprocessASGIServer._instances.values()):
         server.stop()
