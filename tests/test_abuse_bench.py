@@ -3,6 +3,7 @@ full runs: the good workload beside every hostile kind, for a few seconds."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,34 @@ def test_a_short_abuse_run_meets_every_hostile_kind_without_a_good_failure():
         assert f"| {kind} |" in text, (kind, text)
     # Each refused as itself: a 4xx, never a 500 or a dropped connection.
     assert "| huge prompt | 400 x" in text and "| huge OTLP body | 413 x" in text, text
-    assert "500" not in text.split("| hostile kind |")[1].split("abuse_")[0], text
+    assert not _server_errors(text), (_server_errors(text), text)
     for line in ("abuse_health_p99_ms: ", "abuse_good_p99_ms_without_hostile: "):
         assert line in text, text
+
+
+def _server_errors(text: str) -> list[str]:
+    """The answers of the hostile-kind table that are a 5xx status. Each cell reads
+    'label xN, label xN'; a label is a status ('400', '400/400') or a word ('opened'), and
+    the counts ('x500') are not statuses."""
+    table = text.split("| hostile kind |")[1].split("abuse_")[0]
+    bad = []
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) != 2:
+            continue
+        for answer in cells[1].split(", "):
+            label = answer.rsplit(" x", 1)[0]
+            if any(re.fullmatch(r"5\d\d", part) for part in label.split("/")):
+                bad.append(f"{cells[0]}: {answer}")
+    return bad
+
+
+def test_server_errors_are_told_from_counts():
+    table = (
+        "| hostile kind | answers |\n|---|---|\n| idle connection | opened x500 |\n"
+        "| huge grammar | 400/400 x31 |\n\nabuse_x: 1"
+    )
+    assert _server_errors(table) == []
+    assert _server_errors(table.replace("400/400 x31", "400/500 x3, 200 x1")) == [
+        "huge grammar: 400/500 x3"
+    ]
