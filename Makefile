@@ -56,7 +56,7 @@ demo-rag: setup
 
 # The store's durability demo (SIGKILL mid-write, restart, nothing acknowledged is lost).
 demo-store: setup
-	$(BIN)/python -m lightning_core.demo
+	$(BIN)/python -m lightning_core.store.demo
 
 # The Prefect UI screenshots in docs/ (docs/deployments.md, "In the Prefect UI"), retaken from a
 # short training run against a temporary Prefect server, in headless Chromium (apt-get install

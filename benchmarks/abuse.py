@@ -54,7 +54,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 from benchmarks.soak import Client, Tally, _pct  # noqa: E402
 from lightning_core import semconv  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
-from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E402
+from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
 
 GOOD_CLIENTS = 8
 HEALTH_EVERY_S = 0.02

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import duckdb  # noqa: E402
 
 from benchmarks.quick_train import train_quick  # noqa: E402
-from lightning_core.evaluation import wilson_interval  # noqa: E402
+from lightning_core.stats.evaluation import wilson_interval  # noqa: E402
 
 
 def figures(run: Path) -> None:

@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lightning_core.gateway.errors import is_anthropic_path, is_gateway_path  # noqa: E402
-from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E402
+from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
 
 REQUEST_TIMEOUT_S = 30.0
 POLL_CAP_S = 0.2

@@ -61,7 +61,7 @@ import aiohttp  # noqa: E402
 from benchmarks.peers import litellm_proxy  # noqa: E402
 from lightning_core.backends.base import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_core.models import default_model_dir, tiny_model_dir  # noqa: E402
-from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E402
+from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
 
 FAKE_TOKENS = 20
 LEVELS = (1, 8, 32)

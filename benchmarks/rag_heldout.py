@@ -30,8 +30,8 @@ import duckdb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.quick_train import train_quick  # noqa: E402
-from lightning_core.comparison import paired_bootstrap  # noqa: E402
-from lightning_core.evaluation import wilson_interval  # noqa: E402
+from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
+from lightning_core.stats.evaluation import wilson_interval  # noqa: E402
 from lightning_rl.agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT  # noqa: E402
 
 SOLVED = 0.9

@@ -49,7 +49,7 @@ import psutil  # noqa: E402
 
 from lightning_core import semconv  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
-from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E402
+from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
 from lightning_core.store.client import HttpStoreClient  # noqa: E402
 from lightning_core.types import RolloutRequest, RolloutStatus, Span  # noqa: E402
 

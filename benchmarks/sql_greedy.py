@@ -34,9 +34,9 @@ from pathlib import Path
 import duckdb
 
 from lightning_core import semconv
-from lightning_core.evaluation import wilson_interval
 from lightning_core.models import DEFAULT_MODEL, TINY_MODEL
-from lightning_core.serving import free_port, start_serve, stop_serve
+from lightning_core.serving.process import free_port, start_serve, stop_serve
+from lightning_core.stats.evaluation import wilson_interval
 from lightning_core.types import LLMEndpoint
 from lightning_rl.agents.sql import tool
 from lightning_rl.agents.sql.agent import SQLAgentConfig, solve

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.workload import WorkloadShape, generate_attributes, rollout_plan  # noqa: E402
 from lightning_core import semconv  # noqa: E402
-from lightning_core.serving import free_port, start_serve, stop_serve  # noqa: E402
+from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
 from lightning_core.store.client import HttpStoreClient  # noqa: E402
 from lightning_core.types import Claim, RolloutRequest, RolloutStatus, Span  # noqa: E402
 

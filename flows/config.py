@@ -21,9 +21,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
-from lightning_core.collect import CreditConfig
-from lightning_core.curriculum import CurriculumConfig
-from lightning_core.offline import OfflineConfig
+from lightning_core.data.collect import CreditConfig
+from lightning_core.data.offline import OfflineConfig
+from lightning_core.rollouts.curriculum import CurriculumConfig
 from lightning_rl.flows.run_state import DEFAULT_RUN_DIR, run_name_problem
 from lightning_rl.registry.config import RegistryConfig
 

@@ -17,14 +17,14 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from lightning_core.errors import InvalidInput, NotFound
+from lightning_rl.flows import report
+from lightning_rl.flows.policy_server import policy_server
+from lightning_rl.flows.profiles import profile
 from lightning_rl.flows.redacted import flow
 from lightning_rl.registry.config import RegistryConfig, resolve
 from lightning_rl.registry.runs import log_metrics, log_params, tracking
 from lightning_rl.registry.versions import champion_adapter, record_score
-from lightning_rl.tasks import report
 from lightning_rl.tasks.evaluation import evaluate_policy
-from lightning_rl.tasks.profiles import profile
-from lightning_rl.tasks.server import policy_server
 from lightning_rl.tasks.training import publish_policy
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from lightning_core.evaluation import EvalResult
+from lightning_core.stats.evaluation import EvalResult
+from lightning_rl.flows import progress
 from lightning_rl.flows.config import TrainConfig
+from lightning_rl.flows.profiles import AgentProfile
 from lightning_rl.flows.run_context import RunContext, credit, heldout_tasks
 from lightning_rl.flows.run_state import Checkpoint, Evaluation
 from lightning_rl.registry.names import TAG_BENCHMARK_ID
 from lightning_rl.registry.runs import log_metrics_once, set_run_tags
-from lightning_rl.tasks import progress
 from lightning_rl.tasks.evaluation import evaluate_policy
-from lightning_rl.tasks.profiles import AgentProfile
 
 
 def evaluate(config: TrainConfig, agent: AgentProfile, run: RunContext, policy: str) -> EvalResult:

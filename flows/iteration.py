@@ -19,13 +19,14 @@ from typing import Any
 from prefect import get_run_logger, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from lightning_core.adapter import AdapterConfig
-from lightning_core.collect import Collected
-from lightning_core.curriculum import Curriculum
-from lightning_core.dynamic_sampling import sample_rounds
-from lightning_rl.flows import pipeline
+from lightning_core.data.adapter import AdapterConfig
+from lightning_core.data.collect import Collected
+from lightning_core.rollouts.curriculum import Curriculum
+from lightning_core.rollouts.dynamic_sampling import sample_rounds
+from lightning_rl.flows import pipeline, progress, report
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.held_out import evaluate, record_evaluation
+from lightning_rl.flows.profiles import AgentProfile, profile
 from lightning_rl.flows.redacted import flow
 from lightning_rl.flows.run_context import (
     RunContext,
@@ -37,9 +38,7 @@ from lightning_rl.flows.run_context import (
 )
 from lightning_rl.flows.run_state import Checkpoint, save_checkpoint
 from lightning_rl.registry.runs import log_metrics_once
-from lightning_rl.tasks import progress, report
 from lightning_rl.tasks.analysis import analyze_iteration
-from lightning_rl.tasks.profiles import AgentProfile, profile
 from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
 from lightning_rl.tasks.training import Update, publish_policy, update_policy
 
@@ -63,7 +62,7 @@ def fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, i
     # A cluster's workers may run on other machines, where paths on this one do not exist.
     parameters = dict(parameters)
     if os.environ.get("LIGHTNING_API_KEY"):
-        # The policy server's key is then the user's (tasks/server.py): workers read it from
+        # The policy server's key is then the user's (flows/policy_server.py): workers read it from
         # their own LIGHTNING_API_KEY, not from the key file.
         parameters["key_file"] = unmapped(None)
     if config.task_runner_address is not None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from lightning_core.collect import Collected
+from lightning_core.data.collect import Collected
 
 # The run's pipeline while it runs: the iteration subflows run in the flow's thread and context,
 # and find it here (a producer is no flow parameter: those are stored and shown).

@@ -6,7 +6,7 @@ never reaches: the server lived on, one more per killed run. Started here, the s
 with the same settings, it gets serving.die_with_parent, so the kernel stops it with the
 process that started it. Its concurrency leases are kept in files under PREFECT_HOME rather
 than in its memory, so that the next run's server still knows the leases a killed run held and
-can release them (tasks/gpu_slot.py).
+can release them (flows/gpu_slot.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-from lightning_core import serving
 from lightning_core.errors import LightningError
+from lightning_core.serving import process as serving
 
 # Prefect's lease storage that several servers on one PREFECT_HOME share.
 FILE_LEASES = "prefect.server.concurrency.lease_storage.filesystem"

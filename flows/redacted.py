@@ -4,7 +4,7 @@ Prefect stores a flow run's parameters (the UI shows them, the API serves them t
 can read runs), and this project's flows take URLs that can carry a password
 (`registry.tracking_uri`, `vllm_url`). Prefect serializes the parameters only for that record;
 the flow's body still gets the values it was called with. So the record is redacted
-(lightning_core.redaction) and the run keeps its credentials.
+(lightning_core.security.redaction) and the run keeps its credentials.
 
 A deployment run is the exception: Prefect hands its body the recorded parameters, so a
 deployment gives credentials through the environment (MLFLOW_TRACKING_USERNAME and
@@ -18,7 +18,7 @@ from typing import Any
 
 from prefect.flows import Flow
 
-from lightning_core.redaction import redact_values
+from lightning_core.security.redaction import redact_values
 
 
 class RedactedFlow(Flow):

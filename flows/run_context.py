@@ -11,13 +11,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from lightning_core import semconv
-from lightning_core.collect import CreditConfig
+from lightning_core.algo.rewards import AIRRule
+from lightning_core.data.collect import CreditConfig
+from lightning_core.data.offline import OfflineBatch
 from lightning_core.errors import InvalidInput
-from lightning_core.offline import OfflineBatch
-from lightning_core.rewards import AIRRule
+from lightning_rl.flows import data_plan
 from lightning_rl.flows.config import TrainConfig
-from lightning_rl.tasks import data as data_plan
-from lightning_rl.tasks.profiles import AgentProfile, profile
+from lightning_rl.flows.profiles import AgentProfile, profile
 
 
 class RunContext(BaseModel):

@@ -17,16 +17,15 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from lightning_core import analytics
-from lightning_core.comparison import Comparison, compare
-from lightning_core.evaluation import EvalResult
+from lightning_core.data import analytics
+from lightning_core.stats.comparison import Comparison, compare
+from lightning_core.stats.evaluation import EvalResult
+from lightning_rl.flows import data_plan, progress, report
 from lightning_rl.flows.run_context import RunContext, credit, policy_agents
 from lightning_rl.flows.run_start import Start
 from lightning_rl.flows.run_state import Checkpoint
 from lightning_rl.registry.promotion import PromotionDecision
 from lightning_rl.registry.runs import log_artifact, log_metrics_once, set_run_tags
-from lightning_rl.tasks import data as data_plan
-from lightning_rl.tasks import progress, report
 from lightning_rl.tasks.registry import register_policy
 
 

@@ -17,11 +17,15 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from lightning_core.errors import InvalidInput
-from lightning_core.evaluation import benchmark_id
+from lightning_core.stats.evaluation import benchmark_id
 from lightning_core.types import RolloutStatus
+from lightning_rl.flows import data_plan, progress, report
 from lightning_rl.flows.config import TrainConfig
+from lightning_rl.flows.gpu_slot import ensure_gpu_limit
 from lightning_rl.flows.held_out import evaluate, record_evaluation
 from lightning_rl.flows.pipeline import PolicyRef
+from lightning_rl.flows.policy_server import PolicyServer, policy_server, store_client
+from lightning_rl.flows.profiles import AgentProfile, profile
 from lightning_rl.flows.run_context import (
     RunContext,
     credit,
@@ -45,11 +49,6 @@ from lightning_rl.registry.config import RegistryConfig, resolve
 from lightning_rl.registry.run_start import RunDataset, log_run_start
 from lightning_rl.registry.runs import set_run_tags, tracking
 from lightning_rl.registry.versions import champion_adapter, record_score
-from lightning_rl.tasks import data as data_plan
-from lightning_rl.tasks import progress, report
-from lightning_rl.tasks.gpu_slot import ensure_gpu_limit
-from lightning_rl.tasks.profiles import AgentProfile, profile
-from lightning_rl.tasks.server import PolicyServer, policy_server, store_client
 from lightning_rl.tasks.training import publish_policy
 
 

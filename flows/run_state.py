@@ -20,9 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from lightning_core.data.files import write_text_atomically
 from lightning_core.errors import InvalidInput
-from lightning_core.evaluation import EvalResult
-from lightning_core.files import write_text_atomically
+from lightning_core.stats.evaluation import EvalResult
 
 CHECKPOINT_FILE = "checkpoint.json"
 CONFIG_FILE = "config.json"

@@ -21,7 +21,7 @@ from lightning_core.errors import LightningError
 from lightning_core.gateway.errors import error_response, is_gateway_path
 from lightning_core.gateway.routes import gateway_router
 from lightning_core.gateway.service import Gateway
-from lightning_core.http_edge import HttpLimits
+from lightning_core.serving.http_edge import HttpLimits
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.store.server import OrjsonRoute, Publishing, create_store_app
 from lightning_core.types import PolicyVersion

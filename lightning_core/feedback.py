@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from lightning_core import semconv
 from lightning_core.errors import InvalidInput, StoreUnavailable, error_from_answer
-from lightning_core.keys import bearer_header
+from lightning_core.security.keys import bearer_header
 from lightning_core.types import FeedbackIn, FeedbackReceipt, episode_rollout_id
 
 __all__ = ["episode_headers", "send_feedback"]

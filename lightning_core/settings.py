@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import InvalidInput
 from lightning_core.gateway.service import GatewayConfig
-from lightning_core.http_edge import HttpLimits, is_loopback
+from lightning_core.serving.http_edge import HttpLimits, is_loopback
 from lightning_core.store.config import StoreConfig
 
 M = TypeVar("M", bound=BaseModel)

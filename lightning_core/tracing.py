@@ -34,7 +34,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from lightning_core import semconv
 from lightning_core.errors import InvalidInput, LightningError
-from lightning_core.keys import bearer_header
+from lightning_core.security.keys import bearer_header
 from lightning_core.types import Span
 
 log = logging.getLogger(__name__)

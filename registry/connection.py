@@ -19,7 +19,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
 from lightning_core.errors import LightningError
-from lightning_core.redaction import redact
+from lightning_core.security.redaction import redact
 from lightning_rl.registry.config import DEFAULT_TRACKING_URI, RegistryConfig
 
 

@@ -14,7 +14,7 @@ TAG_POLICY_VERSION = "policy_version"
 TAG_ITERATION = "iteration"
 TAG_BASE_MODEL = "base_model"
 TAG_SCORE = "eval.score"
-# What TAG_SCORE was measured on (lightning_core.evaluation.benchmark_id) and its task count.
+# What TAG_SCORE was measured on (lightning_core.stats.evaluation.benchmark_id) and its task count.
 TAG_BENCHMARK_ID = "eval.benchmark_id"
 TAG_BENCHMARK_SIZE = "eval.benchmark_size"
 # Comma-separated agent names of a version with one adapter per agent; absent for a shared one.

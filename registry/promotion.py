@@ -3,7 +3,7 @@ version replaces the champion, and why; and the decision as the version tags tha
 
 The champion moves to a new version only when its held-out score beats the champion's by a
 margin: a gate, so that noise in a small benchmark cannot swap the served model back and forth.
-Only scores on the same benchmark (lightning_core.evaluation.benchmark_id) are compared: a
+Only scores on the same benchmark (lightning_core.stats.evaluation.benchmark_id) are compared: a
 champion without a score on the new version's benchmark stays, and the reason says how to score
 it there. No MLflow here: versions.py reads the registry, asks this module, and writes the answer.
 """

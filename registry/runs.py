@@ -12,7 +12,7 @@ import mlflow
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
-from lightning_core.redaction import redact
+from lightning_core.security.redaction import redact
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.connection import experiment_id, mlflow_client
 
@@ -69,7 +69,8 @@ def log_params(params: Mapping[str, Any], run_id: str | None = None) -> dict[str
     """Log params, nested dicts and pydantic models flattened to dotted keys (`trainer.lora.rank`).
 
     `run_id` None is this thread's active run; pass the run's id from tasks run in other threads.
-    Secrets inside URLs are logged as '***' (lightning_core.redaction). Returns what was logged.
+    Secrets inside URLs are logged as '***' (lightning_core.security.redaction).
+    Returns what was logged.
     """
     flat = _flatten(params)
     mlflow.log_params(flat, run_id=run_id)

@@ -10,8 +10,8 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from lightning_core import analytics
-from lightning_core.collect import Collected
+from lightning_core.data import analytics
+from lightning_core.data.collect import Collected
 from lightning_core.errors import DiskFull
 
 

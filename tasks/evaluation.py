@@ -8,11 +8,11 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from lightning_core.evaluation import EvalResult, evaluate
-from lightning_core.runner import AttemptResult
-from lightning_rl.tasks import progress
+from lightning_core.rollouts.runner import AttemptResult
+from lightning_core.stats.evaluation import EvalResult, evaluate
+from lightning_rl.flows import progress
+from lightning_rl.flows.policy_server import store_client
 from lightning_rl.tasks.rollouts import make_runner
-from lightning_rl.tasks.server import store_client
 
 
 @task(

@@ -9,14 +9,14 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from lightning_core.adapter import AdapterConfig
-from lightning_core.agent_ref import load_agent
-from lightning_core.collect import Collected, CreditConfig, collect
-from lightning_core.runner import AttemptResult, Runner, RunnerConfig
+from lightning_core.data.adapter import AdapterConfig
+from lightning_core.data.collect import Collected, CreditConfig, collect
+from lightning_core.rollouts.agent_ref import load_agent
+from lightning_core.rollouts.runner import AttemptResult, Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest
-from lightning_rl.tasks import progress
-from lightning_rl.tasks.server import store_client
+from lightning_rl.flows import progress
+from lightning_rl.flows.policy_server import store_client
 
 
 def make_runner(
@@ -72,7 +72,7 @@ async def plan_rollouts(
     that a repeated run samples the same rollouts, and the G of a group still differ.
     `first_index` is the place of this plan's first rollout in the iteration (a later round of
     dynamic sampling continues where the earlier ones stopped). `key_file` holds the server's
-    API key (tasks/server.py), here and in every task that talks to the server.
+    API key (flows/policy_server.py), here and in every task that talks to the server.
     """
     requests = [
         RolloutRequest(

@@ -24,11 +24,11 @@ from pydantic import BaseModel, Field
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.distributed import train_data_parallel
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
+from lightning_core.data.offline import OfflineBatch, OfflineConfig, choose_method, filtered
 from lightning_core.errors import Conflict
-from lightning_core.offline import OfflineBatch, OfflineConfig, choose_method, filtered
 from lightning_core.types import PolicyVersion, Transition
-from lightning_rl.tasks.gpu_slot import gpu_slot
-from lightning_rl.tasks.server import store_client
+from lightning_rl.flows.gpu_slot import gpu_slot
+from lightning_rl.flows.policy_server import store_client
 
 
 def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:

@@ -15,8 +15,8 @@ import pytest
 import uvicorn
 
 from lightning_core.app import create_app
-from lightning_core.cli import SERVER_KEEPALIVE_S
-from lightning_core.serving import free_port  # noqa: F401  (the tests import it from here)
+from lightning_core.serving.http_edge import SERVER_KEEPALIVE_S
+from lightning_core.serving.process import free_port  # noqa: F401  (the tests import it from here)
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
-from lightning_core.rewards import AIRRule
+from lightning_core.algo.rewards import AIRRule
+from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.types import Rollout, Span
 
 _clock = iter(range(1, 10_000))

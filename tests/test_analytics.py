@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from lightning_core import analytics, files
-from lightning_core.analytics import RolloutFacts, transition_rows
-from lightning_core.cli import app
+from lightning_core.data import analytics, files
+from lightning_core.data.analytics import RolloutFacts, transition_rows
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.types import Transition
+from lightning_rl.flows.cli import app
 
 
 def call(
@@ -195,7 +195,7 @@ def test_a_crash_mid_write_leaves_no_partial_file(run, monkeypatch):
     def crash(src, dst):
         raise OSError("disk pulled out")
 
-    # The rename of lightning_core.files.write_atomically, which the export writes with.
+    # The rename of lightning_core.data.files.write_atomically, which the export writes with.
     monkeypatch.setattr(files.os, "replace", crash)
     with pytest.raises(OSError, match="disk pulled out"):
         analytics.export_iteration(run, 1, [row("r5", reward=9.0)])

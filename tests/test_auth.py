@@ -28,9 +28,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from lightning_core import semconv, serving
+from lightning_core import semconv
 from lightning_core.errors import Unauthorized
 from lightning_core.models import tiny_model_dir
+from lightning_core.serving import process as serving
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.tracing import emit_reward
 from lightning_core.types import RolloutRequest
@@ -321,10 +322,10 @@ def _command_lines() -> list[bytes]:
 @pytest.mark.slow  # about 20 s: a policy server process and six rollouts
 @pytest.mark.timeout(300)
 def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_path):
-    from lightning_core.adapter import AdapterConfig
-    from lightning_core.collect import CreditConfig
+    from lightning_core.data.adapter import AdapterConfig
+    from lightning_core.data.collect import CreditConfig
+    from lightning_rl.flows.policy_server import policy_server, store_client
     from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
-    from lightning_rl.tasks.server import policy_server, store_client
 
     db = tmp_path / "store.duckdb"
     with policy_server(db, model="tiny", tool_format="line") as server:
@@ -377,7 +378,7 @@ def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_p
 
 @pytest.mark.timeout(300)
 def test_the_flows_policy_server_takes_the_users_key(tmp_path, monkeypatch):
-    from lightning_rl.tasks.server import policy_server, store_client
+    from lightning_rl.flows.policy_server import policy_server, store_client
 
     monkeypatch.setenv("LIGHTNING_API_KEY", KEY)
     with policy_server(tmp_path / "store.duckdb", model="tiny", tool_format="line") as server:

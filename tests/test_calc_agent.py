@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.algo.rewards import AIRRule
+from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.models import DEFAULT_MODEL
-from lightning_core.rewards import AIRRule
-from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.rollouts.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, RolloutStatus
 from lightning_rl.agents.calc import load_tasks

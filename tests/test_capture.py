@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from lightning_core import semconv
-from lightning_core.adapter import spans_to_transitions
+from lightning_core.data.adapter import spans_to_transitions
 from lightning_core.feedback import episode_headers
 from lightning_core.gateway.chat import encode, render_chat
 from lightning_core.models import tiny_model_dir

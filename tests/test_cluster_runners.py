@@ -2,8 +2,9 @@
 "ray"): tiny model, real policy server, MLflow on SQLite, a real Prefect run.
 
 The proof that run-rollouts ran on the cluster and not in the flow's own process: every
-attempt in the store names its worker `runner-<host>-<pid>-<n>` (lightning_core/runner.py), so
-the training rollouts' attempts must carry the PIDs of cluster workers, never this process's.
+attempt in the store names its worker `runner-<host>-<pid>-<n>`
+(lightning_core/rollouts/runner.py), so the training rollouts' attempts must carry the PIDs of
+cluster workers, never this process's.
 Held-out evaluation stays on the flow's threads, so its attempts carry this PID (a control that
 the signal is read right).
 
@@ -32,10 +33,10 @@ from prefect import unmapped
 from prefect.testing.utilities import prefect_test_harness
 
 from lightning_rl.flows import iteration as iteration_module
+from lightning_rl.flows import progress
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig
-from lightning_rl.tasks import progress
 from tests.conftest import free_port
 
 TASKS, GROUP = 2, 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_core.comparison import compare, paired_bootstrap
-from lightning_core.evaluation import EvalResult
+from lightning_core.stats.comparison import compare, paired_bootstrap
+from lightning_core.stats.evaluation import EvalResult
 
 
 def _result(rewards: dict[str, float]) -> EvalResult:

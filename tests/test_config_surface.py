@@ -177,8 +177,8 @@ def test_the_docs_settings_table_is_the_generated_one():
 def test_a_literal_setting_takes_only_its_choices():
     from typer.testing import CliRunner
 
-    from lightning_core.cli import app
     from lightning_rl.flows import cli  # noqa: F401  (adds train to the app)
+    from lightning_rl.flows.cli import app
 
     result = CliRunner().invoke(app, ["train", "--task-runner", "slurm"])
     assert result.exit_code == 2
@@ -188,7 +188,7 @@ def test_a_literal_setting_takes_only_its_choices():
 def test_flags_reach_the_settings_under_their_field_names(monkeypatch):
     from typer.testing import CliRunner
 
-    from lightning_core.cli import app
+    from lightning_rl.flows.cli import app
     from lightning_rl.flows.cli import train as cli
 
     seen: dict[str, Any] = {}
@@ -211,8 +211,8 @@ def test_flags_reach_the_settings_under_their_field_names(monkeypatch):
 
 
 def test_a_users_success_threshold_is_kept_and_the_profiles_fills_in_only_when_unset():
+    from lightning_rl.flows.profiles import profile
     from lightning_rl.flows.run_context import credit as _credit
-    from lightning_rl.tasks.profiles import profile
 
     rag = profile("rag", None)
     assert _credit(TrainConfig(agent="rag"), rag).success_threshold == rag.success_threshold

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from lightning_core import semconv
-from lightning_core.adapter import spans_to_transitions
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.backends.base import Constraint, GenerationRequest, SamplingParams
 from lightning_core.backends.transformers_backend import TransformersBackend
+from lightning_core.data.adapter import spans_to_transitions
 from lightning_core.models import tiny_model_dir
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import RolloutRequest, Span, Transition

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from lightning_core.curriculum import UNTIERED, Curriculum, CurriculumConfig, group_signal
+from lightning_core.rollouts.curriculum import UNTIERED, Curriculum, CurriculumConfig, group_signal
 from lightning_core.types import Transition
 
 TASKS = [{"id": f"e{i}", "tier": "easy"} for i in range(30)] + [

@@ -11,7 +11,7 @@ import json
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from lightning_core.curriculum import CurriculumConfig
+from lightning_core.rollouts.curriculum import CurriculumConfig
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig
 

@@ -13,12 +13,12 @@ from mlflow import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 from pydantic import ValidationError
 
+from lightning_core.data.task_table import TaskTable
 from lightning_core.errors import InvalidInput
-from lightning_core.task_table import TaskTable
 from lightning_rl.flows.config import TrainConfig
+from lightning_rl.flows.data_plan import TAG_COMPLETE, plan_new_tasks
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig
-from lightning_rl.tasks.data import TAG_COMPLETE, plan_new_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT = {"agent": "tests.flow_agents:agent", "tasks": "tests.flow_agents:load_tasks"}

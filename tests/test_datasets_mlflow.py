@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from lightning_core.data.task_table import TaskTable
 from lightning_core.errors import InvalidInput
-from lightning_core.task_table import TaskTable
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.connection import experiment_id, mlflow_client
 from lightning_rl.registry.datasets import log_dataset, previous_run_tag

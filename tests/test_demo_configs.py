@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_rl.flows.config import TrainConfig
-from lightning_rl.tasks.profiles import profile
+from lightning_rl.flows.profiles import profile
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_core.task_table import TaskTable
+from lightning_core.data.task_table import TaskTable
 from lightning_rl.agents.calc.data import fresh_tasks
 from tests.conftest import free_port
 from tests.helpers import wait_healthy

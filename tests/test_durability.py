@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_core.errors import LightningError
-from lightning_core.serving import serve_command, start_serve
+from lightning_core.serving.process import serve_command, start_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, RolloutStatus
 from tests.conftest import free_port

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from lightning_core.analytics import RolloutFacts
-from lightning_core.collect import Collected
-from lightning_core.curriculum import Curriculum, CurriculumConfig
-from lightning_core.dynamic_sampling import sample_rounds
+from lightning_core.data.analytics import RolloutFacts
+from lightning_core.data.collect import Collected
+from lightning_core.rollouts.curriculum import Curriculum, CurriculumConfig
+from lightning_core.rollouts.dynamic_sampling import sample_rounds
 from lightning_core.types import Transition
 
 TASKS = [{"id": f"t{i}", "tier": "easy" if i % 2 else "hard"} for i in range(20)]

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from lightning_core import serving
 from lightning_core.errors import InvalidInput, LightningError, StoreUnavailable
+from lightning_core.serving import process as serving
 from lightning_core.store import DuckDBStore, HttpStoreClient
 from lightning_core.types import AttemptStatus, RolloutRequest, RolloutStatus
 from tests import flow_agents

@@ -24,11 +24,11 @@ import pandas as pd
 import pytest
 
 from benchmarks.fault_matrix import FIELDS, MatrixPlugin
-from lightning_core import analytics
 from lightning_core.app import create_app
+from lightning_core.data import analytics
 from lightning_core.errors import DiskFull
-from lightning_core.runner import EXCEPTION_SPAN, Runner, RunnerConfig
-from lightning_core.serving import start_serve, stop_serve
+from lightning_core.rollouts.runner import EXCEPTION_SPAN, Runner, RunnerConfig
+from lightning_core.serving.process import start_serve, stop_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import AttemptStatus, LLMEndpoint, RolloutRequest, RolloutStatus
@@ -178,7 +178,7 @@ async def test_a_runner_killed_mid_rollout_is_replaced_by_another(tmp_path, monk
                 [RolloutRequest(input={"sleep": 600}, max_attempts=2)]
             )
             env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
-            command = [sys.executable, "-m", "lightning_core.cli", "runner", "--server", url]
+            command = [sys.executable, "-m", "lightning_rl.flows.cli", "runner", "--server", url]
             runner_proc = subprocess.Popen(
                 [*command, "--agent", "tests.runner_agents:sleepy_agent"],
                 stdout=subprocess.DEVNULL,

@@ -22,7 +22,7 @@ import pytest
 from lightning_core import feedback as fb
 from lightning_core.app import create_app
 from lightning_core.errors import InvalidInput, NotFound, Unauthorized
-from lightning_core.serving import start_serve
+from lightning_core.serving.process import start_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import (

@@ -13,7 +13,8 @@ from mlflow import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
-from lightning_core import analytics, serving
+from lightning_core.data import analytics
+from lightning_core.serving import process as serving
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.promotion import PromotionDecision

@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from lightning_core import semconv, tracing
 from lightning_core.models import tiny_model_dir
-from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.rollouts.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import RolloutRequest

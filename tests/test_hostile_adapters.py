@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lightning_core.serving import free_port, start_serve
+from lightning_core.serving.process import free_port, start_serve
 
 # --- a real server, its store in a folder that holds the run's adapters ------------------------
 

@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-from lightning_core import serving
 from lightning_core.backends.base import Constraint, GenerationRequest, SamplingParams
 from lightning_core.backends.transformers_backend import TransformersBackend
 from lightning_core.errors import InvalidInput
+from lightning_core.serving import process as serving
 
 # A Lark rule of 2,100 alternatives: llguidance compiles it, then gives up on its first token
 # ("Current row has 2101 items; max is 2000").

@@ -18,8 +18,9 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from lightning_core import semconv, serving
+from lightning_core import semconv
 from lightning_core.app import create_app
+from lightning_core.serving import process as serving
 from lightning_core.store.duckdb_store import DuckDBStore
 from tests.conftest import ThreadedServer
 

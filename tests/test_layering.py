@@ -87,3 +87,102 @@ def test_no_module_of_lightning_core_holds_more_than_600_lines():
         for p in (ROOT / "lightning_core").rglob("*.py")
     }
     assert {p: n for p, n in sizes.items() if n > 600} == {}
+
+
+# lightning_core's top level: the data model and errors everything shares, the composition
+# of `lightning-rl serve` (settings, app) and the two modules user code imports (tracing for
+# agents, feedback for production apps). The rest lives in a named part.
+TOP_LEVEL = {"types", "errors", "semconv", "models", "settings", "app", "tracing", "feedback"}
+PARTS = {
+    "algo", "backends", "data", "gateway", "rollouts", "security", "serving", "stats", "store",
+}  # fmt: skip
+
+# What each part may import of lightning_core: each part sees only the parts below it, so the
+# folders read as layers (security and serving at the bottom, the composition at the top).
+ALLOWED = {
+    "security": {"errors"},
+    "serving": {"errors"},
+    "models": {"errors"},
+    "types": {"errors", "backends"},  # a call's grammar constraint is a backend's type
+    "errors": set(),
+    "semconv": set(),
+    "tracing": {"errors", "security", "semconv", "types"},
+    "feedback": {"errors", "security", "semconv", "types"},
+    "backends": {"errors", "models", "security", "serving", "types", "semconv"},
+    "store": {"errors", "security", "semconv", "serving", "types"},
+    "gateway": {"backends", "errors", "security", "semconv", "serving", "store", "types"},
+    "algo": {"backends", "errors", "models", "security", "semconv", "types"},
+    "data": {"algo", "backends", "errors", "semconv", "types"},
+    "rollouts": {"data", "errors", "security", "semconv", "store", "tracing", "types"},
+    "stats": {"errors", "rollouts", "store", "types"},
+    "settings": {"errors", "gateway", "serving", "store"},
+    "app": {"errors", "gateway", "serving", "store", "types"},
+}
+
+
+def _part(path: Path) -> str:
+    parts = path.relative_to(ROOT / "lightning_core").parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def test_lightning_cores_top_level_holds_only_what_everything_uses():
+    folder = ROOT / "lightning_core"
+    modules = {p.stem for p in folder.glob("*.py") if p.name != "__init__.py"}
+    packages = {p.parent.name for p in folder.glob("*/__init__.py")}
+    assert modules == TOP_LEVEL
+    assert packages == PARTS
+    assert set(ALLOWED) == TOP_LEVEL | PARTS
+
+
+def _layer_violations(imports: list[tuple[Path, str]]) -> list[str]:
+    wrong = []
+    for path, name in imports:
+        if name == "lightning_core" or not name.startswith("lightning_core."):
+            continue
+        source, target = _part(path), name.split(".")[1]
+        if target != source and target not in ALLOWED[source]:
+            wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    return wrong
+
+
+def test_each_part_of_lightning_core_imports_only_the_parts_below_it():
+    assert _layer_violations(_imports(ROOT / "lightning_core")) == []
+
+
+def test_the_layer_rule_sees_an_import_from_above():
+    store, gateway = ROOT / "lightning_core/store/server.py", ROOT / "lightning_core/gateway/x.py"
+    assert _layer_violations(
+        [
+            (store, "lightning_core.gateway.service"),
+            (gateway, "lightning_core.app"),
+            (gateway, "lightning_core.store.base"),
+            (store, "lightning_core.store.schema"),
+        ]
+    ) == [
+        "lightning_core/store/server.py imports lightning_core.gateway.service",
+        "lightning_core/gateway/x.py imports lightning_core.app",
+    ]
+
+
+def test_every_module_in_tasks_holds_a_prefect_task():
+    for path in (ROOT / "tasks").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        decorated = [
+            node.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for d in node.decorator_list
+            if "task" in ast.unparse(d).split("(")[0].split(".")
+        ]
+        assert decorated, f"{path.relative_to(ROOT)} holds no Prefect task"
+
+
+def test_the_command_line_is_one_package():
+    # Every `lightning-rl` command lives in flows/cli: nothing else builds a Typer app.
+    outside = [
+        str(path.relative_to(ROOT))
+        for folder in ("lightning_core", "flows", "tasks", "registry", "agents")
+        for path, name in _imports(ROOT / folder)
+        if name.split(".")[0] == "typer" and "cli" not in path.relative_to(ROOT).parts
+    ]
+    assert outside == []

@@ -12,15 +12,12 @@ import torch
 from pydantic import ValidationError
 
 from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.losses import likelihood_loss
 from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.backends.base import Choice, SamplingParams
-from lightning_core.errors import InvalidInput
-from lightning_core.gateway.spans import LLMCall, llm_call_span
-from lightning_core.models import tiny_model_dir
-from lightning_core.offline import (
+from lightning_core.data.adapter import AdapterConfig
+from lightning_core.data.offline import (
     OfflineBatch,
     OfflineConfig,
     choose_method,
@@ -28,6 +25,9 @@ from lightning_core.offline import (
     episode_batch,
     filtered,
 )
+from lightning_core.errors import InvalidInput
+from lightning_core.gateway.spans import LLMCall, llm_call_span
+from lightning_core.models import tiny_model_dir
 from lightning_core.types import (
     Feedback,
     Rollout,

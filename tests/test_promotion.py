@@ -1,5 +1,5 @@
 """The promotion rule as pure functions: no MLflow, no registry, only scores, benchmarks and
-versions; and what makes a benchmark (lightning_core.evaluation.benchmark_id)."""
+versions; and what makes a benchmark (lightning_core.stats.evaluation.benchmark_id)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from lightning_core.errors import InvalidInput
-from lightning_core.evaluation import benchmark_id
+from lightning_core.stats.evaluation import benchmark_id
 from lightning_rl.registry.names import (
     TAG_BENCHMARK_ID,
     TAG_CHAMPION_SCORE,

@@ -17,9 +17,9 @@ import pytest
 from countryinfo import CountryInfo
 
 from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.models import DEFAULT_MODEL
-from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.rollouts.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from lightning_rl.agents.rag import load_tasks

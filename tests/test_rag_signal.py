@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from lightning_core import semconv
+from lightning_core.algo.rewards import air_reward
 from lightning_core.app import create_app
-from lightning_core.curriculum import Curriculum, CurriculumConfig
-from lightning_core.rewards import air_reward
-from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.rollouts.curriculum import Curriculum, CurriculumConfig
+from lightning_core.rollouts.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import RolloutRequest, RolloutStatus
@@ -21,7 +21,7 @@ from lightning_rl.agents.rag.agent import MAX_TURNS
 from lightning_rl.agents.rag.examples import EXAMPLES, examples_for, nearest
 from lightning_rl.agents.rag.reward import FORMAT_WEIGHT, normalize_answer
 from lightning_rl.agents.rag.tool import NO_MATCH, results_text, tool_output
-from lightning_rl.tasks.profiles import PROFILES
+from lightning_rl.flows.profiles import PROFILES
 from tests.conftest import ThreadedServer
 from tests.rag_scripted import scripted_endpoint
 

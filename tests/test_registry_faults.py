@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from lightning_core.serving import free_port
+from lightning_core.serving.process import free_port
 from lightning_rl.registry import versions
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.connection import RegistryUnavailable

@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 
-from lightning_core import serving
 from lightning_core.backends.base import (
     Choice,
     GenerationRequest,
@@ -29,6 +28,7 @@ from lightning_core.backends.base import (
 )
 from lightning_core.backends.replicas import ReplicatedBackend
 from lightning_core.errors import BackendUnavailable, Conflict, InvalidInput
+from lightning_core.serving import process as serving
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import PolicyVersion
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from lightning_rl.tasks.report import _table
+from lightning_rl.flows.report import _table
 
 
 def test_the_iteration_column_stays_an_integer_beside_float_metrics():

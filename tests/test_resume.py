@@ -23,7 +23,7 @@ import pytest
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from lightning_core import analytics
+from lightning_core.data import analytics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -87,7 +87,7 @@ def _after(events: list[dict], stage: str) -> list[dict]:
 
 
 def _slots_held(home: Path) -> list[Path]:
-    # The record each holder of a `gpu` slot keeps while it holds it (tasks/gpu_slot.py).
+    # The record each holder of a `gpu` slot keeps while it holds it (flows/gpu_slot.py).
     return list((home / "prefect" / "lightning-slots").glob("*.json"))
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from lightning_core import semconv
-from lightning_core.agent_ref import load_agent
 from lightning_core.errors import InvalidInput
-from lightning_core.keys import agent_key
-from lightning_core.runner import EXCEPTION_SPAN, AttemptResult, Runner, RunnerConfig
-from lightning_core.serving import start_serve, stop_serve
+from lightning_core.rollouts.agent_ref import load_agent
+from lightning_core.rollouts.runner import EXCEPTION_SPAN, AttemptResult, Runner, RunnerConfig
+from lightning_core.security.keys import agent_key
+from lightning_core.serving.process import start_serve, stop_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import AttemptStatus, LLMEndpoint, RolloutRequest, RolloutStatus
@@ -242,7 +242,7 @@ def test_load_agent_says_what_it_tried(ref, says):
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     return subprocess.run(
-        [sys.executable, "-m", "lightning_core.cli", "runner", *args],
+        [sys.executable, "-m", "lightning_rl.flows.cli", "runner", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -316,7 +316,7 @@ def test_ctrl_c_lets_attempts_in_flight_finish_and_twice_fails_them(tmp_path):
     def interrupted(sleep: float, times: int) -> tuple[subprocess.CompletedProcess, Any]:
         rollout_id = asyncio.run(enqueue(sleep))
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
-        command = [sys.executable, "-m", "lightning_core.cli", "runner", "--server", url]
+        command = [sys.executable, "-m", "lightning_rl.flows.cli", "runner", "--server", url]
         proc = subprocess.Popen(
             [*command, "--agent", "tests.runner_agents:sleepy_agent"],
             stderr=subprocess.PIPE,

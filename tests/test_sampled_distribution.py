@@ -11,9 +11,9 @@ import httpx
 import openai
 import torch
 
-from lightning_core.adapter import spans_to_transitions
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.trainer import LoRATrainer
+from lightning_core.data.adapter import spans_to_transitions
 from lightning_core.models import tiny_model_dir
 from lightning_core.types import Span
 from tests.conftest import gateway_server

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_core.runner import Runner
+from lightning_core.rollouts.runner import Runner
 from lightning_core.types import Attempt, Claim, Rollout
 from lightning_rl.tasks.rollouts import rollout_seed
 

@@ -13,8 +13,8 @@ import pytest
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 
 from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
-from lightning_core.runner import Runner, RunnerConfig
+from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.rollouts.runner import Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from lightning_rl.agents.sql import chinook, load_tasks
@@ -320,7 +320,7 @@ def test_a_missing_chinook_package_says_how_to_install_it(monkeypatch):
 
 
 def test_the_sql_profile_loads_its_agent_and_tasks():
-    from lightning_rl.tasks.profiles import profile
+    from lightning_rl.flows.profiles import profile
 
     sql = profile("sql")
     assert sql.train_agents == ["writer", "rewriter"] and sql.registered_model == "lightning-sql"
@@ -527,7 +527,7 @@ def test_tiers_follow_the_gold_querys_shape_and_every_split_has_each():
 
 def test_the_sql_air_rule_rewards_a_query_that_returned_rows_only():
     from lightning_core.types import Span
-    from lightning_rl.tasks.profiles import PROFILES
+    from lightning_rl.flows.profiles import PROFILES
 
     [rule] = PROFILES["sql"].air
 

@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_core.algo.trainer import LoRATrainer
-from lightning_core.collect import Collected
+from lightning_core.data.collect import Collected
 from lightning_core.gateway.chat import encode, render_chat
 from lightning_core.types import Transition
 from lightning_rl.flows import pipeline

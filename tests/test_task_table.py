@@ -1,4 +1,4 @@
-"""Task tables (lightning_core/task_table.py), their `lightning-rl data` commands, and the calc
+"""Task tables (lightning_core/data/task_table.py), their `lightning-rl data` commands, and the calc
 agent's fresh tasks: appends in order, slices after a watermark, identity by content hash."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from lightning_core.cli import app
+from lightning_core.data.task_table import TableSlice, TaskTable, content_hash
 from lightning_core.errors import InvalidInput
-from lightning_core.task_table import TableSlice, TaskTable, content_hash
 from lightning_rl.agents.calc.calculator import evaluate
 from lightning_rl.agents.calc.data import fresh_tasks, load_tasks
+from lightning_rl.flows.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 # The calc tasks' phrasings (agents/calc/data.py's _PHRASES) around the expression.

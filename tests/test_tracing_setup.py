@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 
-from lightning_core import runner, tracing
+from lightning_core import tracing
+from lightning_core.rollouts import runner
 from lightning_core.store.client import HttpStoreClient
 
 

@@ -1,6 +1,11 @@
-"""The `lightning-rl` command: lightning_core's commands (serve, status, runner, data, ...),
-which import no Prefect, and the flows' commands added here (train, eval, production).
+"""The `lightning-rl` command, every subcommand in this package. The server-side commands
+import no Prefect (they start as child processes: `serve`, `replica`, `runner`); the flows'
+commands load Prefect only when they run.
 
+    app.py         the Typer app, and a user's error as one line
+    serve.py       lightning-rl serve (and the hidden replica command)
+    runner.py      lightning-rl runner
+    data.py        lightning-rl status, analyze, data add-tasks, data show
     common.py      what every flow command does first
     options.py     train's options, generated from TrainConfig, and the config layering
     view.py        train's live view
@@ -16,17 +21,27 @@ otherwise.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-from lightning_core.cli import app
-from lightning_rl.flows.cli import evaluate, production, train
+import typer
+
+from lightning_core.errors import LightningError
+from lightning_rl.flows.cli.app import app
 from lightning_rl.flows.cli.openmp import passive_openmp
 
-__all__ = ["app", "evaluate", "main", "production", "train"]
+# Each module adds its commands to `app` when imported; `lightning-rl --help` lists them in
+# this order: serving, then data, then the flows.
+for _module in ("serve", "runner", "data", "train", "evaluate", "production"):
+    importlib.import_module(f"lightning_rl.flows.cli.{_module}")
+
+__all__ = ["app", "main"]
 
 
 def main() -> None:
     passive_openmp(sys.argv[1:])
-    from lightning_core.cli import main as core_main
-
-    core_main()
+    try:
+        app()
+    except LightningError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from lightning_core.cli import _fail, app
 from lightning_core.errors import LightningError
+from lightning_rl.flows.cli.app import app, fail
 from lightning_rl.flows.cli.common import agents_from_cwd, interrupt_on_sigterm, quiet_prefect
 
 
@@ -36,22 +36,22 @@ def evaluate(
     interrupt_on_sigterm()
     from lightning_rl.flows.evaluate import evaluate as evaluate_flow
     from lightning_rl.flows.prefect_server import temporary_server
-    from lightning_rl.tasks.profiles import profile
+    from lightning_rl.flows.profiles import profile
 
     agents_from_cwd()
     try:
         profile(agent, tasks)  # a bad name fails here, before any flow starts
     except LightningError as exc:
-        _fail(exc)
+        fail(exc)
     try:
         with temporary_server():
             result = evaluate_flow(
                 agent=agent, policy=policy, eval_size=eval_size, model=base_model, tasks=tasks
             )
     except LightningError as exc:
-        _fail(exc)
+        fail(exc)
     except ValidationError as exc:
-        _fail(LightningError(f"invalid parameters: {exc}"))
+        fail(LightningError(f"invalid parameters: {exc}"))
     typer.echo(
         f"{result['agent']} {policy}: {result['score']:.1%} "
         f"[{result['ci_low']:.1%}, {result['ci_high']:.1%}] on {result['tasks']} tasks"

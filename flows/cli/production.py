@@ -13,8 +13,8 @@ from typing import Annotated
 
 import typer
 
-from lightning_core.cli import _fail, app
 from lightning_core.errors import LightningError
+from lightning_rl.flows.cli.app import app, fail
 from lightning_rl.flows.cli.common import agents_from_cwd, quiet_prefect
 
 
@@ -57,10 +57,10 @@ def production(
     from lightning_core.store.config import StoreConfig
     from lightning_core.store.duckdb_store import DuckDBStore
     from lightning_core.types import PolicyVersion
+    from lightning_rl.flows.policy_server import read_key, write_key_file
+    from lightning_rl.flows.profiles import profile
     from lightning_rl.registry.config import RegistryConfig, resolve
     from lightning_rl.registry.versions import champion_adapter
-    from lightning_rl.tasks.profiles import profile
-    from lightning_rl.tasks.server import read_key, write_key_file
 
     agents_from_cwd()
     try:
@@ -106,7 +106,7 @@ def production(
 
         asyncio.run(register())
     except LightningError as exc:
-        _fail(exc)
+        fail(exc)
     key_file = Path(f"{store_path}.key")
     key = (
         os.environ.get("LIGHTNING_API_KEY")
@@ -128,4 +128,4 @@ def production(
         argv += ["--model", model]
     if spec.tool_format:
         argv += ["--tool-format", spec.tool_format]
-    os.execvpe(sys.executable, [sys.executable, "-m", "lightning_core.cli", *argv], env)
+    os.execvpe(sys.executable, [sys.executable, "-m", "lightning_rl.flows.cli", *argv], env)

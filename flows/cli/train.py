@@ -12,8 +12,8 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperCommand, TyperGroup
 
-from lightning_core.cli import _fail, app
 from lightning_core.errors import LightningError
+from lightning_rl.flows.cli.app import app, fail
 from lightning_rl.flows.cli.common import agents_from_cwd, interrupt_on_sigterm, quiet_prefect
 from lightning_rl.flows.cli.options import train_fields, train_signature
 from lightning_rl.flows.cli.view import run_with_view
@@ -28,8 +28,8 @@ def train(**options: Any) -> None:
     quiet_prefect()
     interrupt_on_sigterm()
     from lightning_rl.flows.config import TrainConfig
+    from lightning_rl.flows.profiles import profile
     from lightning_rl.flows.run_state import default_run_name, run_path
-    from lightning_rl.tasks.profiles import profile
 
     config, resume, quiet = options.pop("config"), options.pop("resume"), options.pop("quiet")
     agents_from_cwd()
@@ -37,9 +37,9 @@ def train(**options: Any) -> None:
         settings = TrainConfig.model_validate(train_fields(options, config, resume))
         spec = profile(settings.agent, settings.tasks)
     except ValidationError as exc:
-        _fail(LightningError(f"invalid training config: {exc}"))
+        fail(LightningError(f"invalid training config: {exc}"))
     except LightningError as exc:
-        _fail(exc)
+        fail(exc)
     if settings.run_name is None:
         settings.run_name = default_run_name(spec.name)
     folder = run_path(settings.run_dir, settings.run_name)
@@ -59,7 +59,7 @@ def train(**options: Any) -> None:
             else:
                 summary = run_with_view(lambda: train_flow(**params), folder, settings.iterations)
     except LightningError as exc:
-        _fail(exc)
+        fail(exc)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; what was done is in {folder}", err=True)
         raise typer.Exit(130) from None

@@ -28,12 +28,12 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_core.adapter_folder import AdapterRules, adapter_config
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.constrained import GrammarReplay, MaskedSpan, renormalise
 from lightning_core.algo.losses import entropy_from_logits, k3, likelihood_loss, policy_loss
 from lightning_core.errors import InvalidInput
 from lightning_core.models import resolve_model
+from lightning_core.security.adapter_folder import AdapterRules, adapter_config
 from lightning_core.types import Transition
 
 STATE_FILE = "trainer_state.pt"

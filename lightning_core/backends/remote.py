@@ -23,7 +23,6 @@ from typing import Any
 import httpx
 import orjson
 
-from lightning_core import serving
 from lightning_core.backends.base import (
     Choice,
     GenerationRequest,
@@ -37,7 +36,8 @@ from lightning_core.errors import (
     error_from_answer,
     error_from_body,
 )
-from lightning_core.keys import bearer_header
+from lightning_core.security.keys import bearer_header
+from lightning_core.serving import process as serving
 
 # Idle connections are dropped before the replica's keep-alive (remote_server.KEEPALIVE_S) runs
 # out: reusing one the server is closing fails with "Server disconnected".
@@ -147,7 +147,7 @@ class RemoteBackend:
 
 
 def replica_command(model: str | None, port: int, options: dict[str, Any]) -> list[str]:
-    command = [sys.executable, "-m", "lightning_core.cli", "replica", "--port", str(port)]
+    command = [sys.executable, "-m", "lightning_rl.flows.cli", "replica", "--port", str(port)]
     if model:
         command += ["--model", model]
     return [*command, "--backend-options", json.dumps(options)]

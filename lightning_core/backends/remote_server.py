@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from lightning_core.backends.base import Backend, GenerationRequest, StreamDelta
 from lightning_core.errors import LightningError, Unauthorized, error_body
-from lightning_core.keys import key_check
+from lightning_core.security.keys import key_check
 
 KEY_ENV = "LIGHTNING_REPLICA_KEY"
 # Longer than the client keeps idle connections (remote.KEEPALIVE_S), as in `serve`.
@@ -134,9 +134,9 @@ def serve_replica(
     model: str | None, port: int, options: dict[str, Any], log_level: str = "warning"
 ) -> None:
     """Load a transformers backend and serve it on 127.0.0.1:`port` until SIGINT."""
-    from lightning_core import serving
     from lightning_core.backends import create_backend
-    from lightning_core.http_edge import HttpLimits, run_server
+    from lightning_core.serving import process as serving
+    from lightning_core.serving.http_edge import HttpLimits, run_server
 
     serving.limit_malloc_arenas(2)  # as `serve` does (serving.limit_malloc_arenas says why)
     backend = create_backend("transformers", model, options=options)

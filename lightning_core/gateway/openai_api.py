@@ -28,7 +28,7 @@ from lightning_core.gateway.service import (
     new_id,
 )
 from lightning_core.gateway.sse import DONE, sse
-from lightning_core.offload import off_loop
+from lightning_core.serving.offload import off_loop
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

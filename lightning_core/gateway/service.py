@@ -31,7 +31,6 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import Field
 
-from lightning_core.adapter_folder import AdapterRules, check_adapter
 from lightning_core.backends.base import (
     Backend,
     Choice,
@@ -46,7 +45,8 @@ from lightning_core.gateway import chat as chat_format
 from lightning_core.gateway.limits import CallLimits, CallSlot, chars_per_token
 from lightning_core.gateway.protocol import model_object
 from lightning_core.gateway.spans import LLMCall, llm_call_span
-from lightning_core.offload import off_loop
+from lightning_core.security.adapter_folder import AdapterRules, check_adapter
+from lightning_core.serving.offload import off_loop
 from lightning_core.store.base import SpanRecorder
 from lightning_core.types import PolicyVersion, episode_rollout_id
 

@@ -32,7 +32,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import LightningError, StoreUnavailable, error_from_answer
-from lightning_core.keys import bearer_header
+from lightning_core.security.keys import bearer_header
 from lightning_core.store.base import MAX_PAGE_SIZE, NEXT_PAGE_HEADER, AttemptSelector
 from lightning_core.types import (
     Attempt,
@@ -101,7 +101,7 @@ class _SpanBatcher:
                 future.set_result(len(spans))
 
 
-# Below `lightning-rl serve`'s keep-alive timeout (SERVER_KEEPALIVE_S in cli.py).
+# Below `lightning-rl serve`'s keep-alive timeout (SERVER_KEEPALIVE_S in serving/http_edge.py).
 KEEPALIVE_S = 15.0
 # A policy server restarted by its supervisor answers again after a few seconds (the tiny
 # model) to a minute (a real one); two minutes covers both with room to spare.

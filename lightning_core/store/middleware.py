@@ -15,8 +15,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from lightning_core.errors import error_body
-from lightning_core.http_edge import HttpLimits, origin_refusal
-from lightning_core.keys import agent_key_check, key_check
+from lightning_core.security.keys import agent_key_check, key_check
+from lightning_core.serving.http_edge import HttpLimits, origin_refusal
 
 # The request state naming the attempt whose agent key wrote a request's spans.
 SPAN_ATTEMPT = "span_attempt"

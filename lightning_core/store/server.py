@@ -25,8 +25,8 @@ from pydantic import AfterValidator, BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightning_core.errors import InvalidInput, LightningError
-from lightning_core.http_edge import HttpLimits
-from lightning_core.keys import check_span_owner
+from lightning_core.security.keys import check_span_owner
+from lightning_core.serving.http_edge import HttpLimits
 from lightning_core.store import otlp
 from lightning_core.store.base import MAX_PAGE_SIZE, NEXT_PAGE_HEADER, PAGE_SIZE
 from lightning_core.store.duckdb_store import DuckDBStore

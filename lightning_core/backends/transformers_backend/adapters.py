@@ -10,9 +10,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_core.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, missing_modules
 from lightning_core.backends.transformers_backend.requests import BASE
 from lightning_core.errors import InvalidInput, NotFound
+from lightning_core.security.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, missing_modules
 
 
 class Adapters:

@@ -20,7 +20,7 @@ from lightning_core.backends.transformers_backend.engine import Engine
 from lightning_core.backends.transformers_backend.requests import Job
 from lightning_core.errors import InvalidInput
 from lightning_core.models import DEFAULT_MODEL, TINY_MODEL
-from lightning_core.offload import off_loop
+from lightning_core.serving.offload import off_loop
 
 
 def _served_model_name(model: str | None) -> str:

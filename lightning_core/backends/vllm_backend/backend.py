@@ -18,7 +18,6 @@ from urllib.parse import urlparse
 import aiohttp
 from pydantic import SecretStr
 
-from lightning_core.adapter_folder import WEIGHTS_FILE
 from lightning_core.backends.base import (
     Choice,
     GenerationRequest,
@@ -35,9 +34,10 @@ from lightning_core.backends.vllm_backend.completions import (
 from lightning_core.backends.vllm_backend.config import VLLMBackendConfig, VLLMUnavailable
 from lightning_core.backends.vllm_backend.server import VLLMServer
 from lightning_core.errors import InvalidInput, LightningError, NotFound
-from lightning_core.keys import bearer_header
 from lightning_core.models import resolve_model
-from lightning_core.redaction import redact_url
+from lightning_core.security.adapter_folder import WEIGHTS_FILE
+from lightning_core.security.keys import bearer_header
+from lightning_core.security.redaction import redact_url
 
 log = logging.getLogger(__name__)
 

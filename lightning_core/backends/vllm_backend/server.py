@@ -27,7 +27,7 @@ import aiohttp
 
 from lightning_core.backends.vllm_backend.config import VLLMBackendConfig, VLLMUnavailable
 from lightning_core.errors import InvalidInput
-from lightning_core.serving import die_with_parent, free_port
+from lightning_core.serving.process import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class VLLMServer:
     def _check_exposure(self) -> None:
         """Loopback, or another interface with a key the operator chose (to give the machines
         meant to reach it); and no extra flag that would replace the key or the bind."""
-        from lightning_core.http_edge import is_loopback
+        from lightning_core.serving.http_edge import is_loopback
 
         for flag in ("--api-key", "--host"):
             if any(a == flag or a.startswith(f"{flag}=") for a in self.config.extra_args):

@@ -16,8 +16,8 @@ import orjson
 from pydantic import BaseModel, Field
 
 from lightning_core import semconv
+from lightning_core.algo.rewards import AIRRule, air_reward
 from lightning_core.backends.base import Constraint
-from lightning_core.rewards import AIRRule, air_reward
 from lightning_core.types import Rollout, Span, Transition
 
 

@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from lightning_core import semconv
-from lightning_core.agent_ref import load_agent, parse_agent_ref
+from lightning_core.algo.rewards import AIRRule
 from lightning_core.errors import InvalidInput
-from lightning_core.rewards import AIRRule
+from lightning_core.rollouts.agent_ref import load_agent, parse_agent_ref
 
 
 class AgentProfile(BaseModel):

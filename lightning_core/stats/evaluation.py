@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, Field
 
-from lightning_core.runner import Runner
+from lightning_core.rollouts.runner import Runner
 from lightning_core.store.base import LightningStore
 from lightning_core.types import Rollout, RolloutMode, RolloutRequest, RolloutStatus
 

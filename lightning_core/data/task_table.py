@@ -40,8 +40,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, Field
 
+from lightning_core.data.files import write_atomically
 from lightning_core.errors import DiskFull, InvalidInput
-from lightning_core.files import write_atomically
 
 SCHEMA = pa.schema(
     [

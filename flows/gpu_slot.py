@@ -27,8 +27,8 @@ from uuid import UUID
 
 import psutil
 
+from lightning_core.data.files import write_text_atomically
 from lightning_core.errors import LightningError
-from lightning_core.files import write_text_atomically
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient

@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from lightning_core.evaluation import EvalResult
+from lightning_core.stats.evaluation import EvalResult
 
 
 def artifact_key(*parts: str) -> str:

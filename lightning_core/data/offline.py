@@ -31,11 +31,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.algo.advantages import EPS
 from lightning_core.algo.credit import assign_credit
-from lightning_core.analytics import RolloutFacts
-from lightning_core.collect import tool_counts
+from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.data.analytics import RolloutFacts
+from lightning_core.data.collect import tool_counts
 from lightning_core.errors import InvalidInput
 from lightning_core.types import (
     EPISODE_ROLLOUT_PREFIX,

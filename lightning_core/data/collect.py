@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, Field
 
 from lightning_core import semconv
-from lightning_core.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.algo.advantages import Episode, Estimator, compute_advantages
 from lightning_core.algo.credit import CreditStrategy, assign_credit
-from lightning_core.analytics import RolloutFacts
+from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
+from lightning_core.data.analytics import RolloutFacts
 from lightning_core.types import Rollout, RolloutStatus, Span, Transition
 
 

@@ -82,7 +82,7 @@ def serve_command(db: str | Path, port: int, *options: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "lightning_core.cli",
+        "lightning_rl.flows.cli",
         "serve",
         "--db",
         str(db),

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
-from lightning_core.curriculum import tier_of
-from lightning_core.evaluation import EvalResult, wilson_interval
+from lightning_core.rollouts.curriculum import tier_of
+from lightning_core.stats.evaluation import EvalResult, wilson_interval
 
 BOOTSTRAP_RESAMPLES = 10_000
 

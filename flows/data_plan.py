@@ -26,15 +26,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from lightning_core.adapter import AdapterConfig
+from lightning_core.data.adapter import AdapterConfig
+from lightning_core.data.files import write_text_atomically
+from lightning_core.data.offline import OfflineBatch, episode_batch
+from lightning_core.data.task_table import TaskTable, content_hash
 from lightning_core.errors import InvalidInput, LightningError
-from lightning_core.files import write_text_atomically
-from lightning_core.offline import OfflineBatch, episode_batch
-from lightning_core.task_table import TaskTable, content_hash
 from lightning_core.types import Feedback, Transition, episode_rollout_id
+from lightning_rl.flows.policy_server import store_client
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.datasets import previous_run_tag
-from lightning_rl.tasks.server import store_client
 
 PLAN_FILE = "data_plan.json"
 TASKS_FILE = "train_tasks.json"

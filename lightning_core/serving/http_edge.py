@@ -71,6 +71,11 @@ def connection_cap(limits: HttpLimits) -> int:
 # of headers grew the server by 196 MB. Clients send well under 8 KiB (nginx's buffer).
 MAX_HEAD_BYTES = 64 * 1024
 
+# How long `lightning-rl serve` keeps an idle connection: longer than clients keep theirs
+# (KEEPALIVE_S in store/client.py), so that a client never sends on a connection the server is
+# closing.
+SERVER_KEEPALIVE_S = 30
+
 _FULL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from lightning_core import semconv
-from lightning_core.serving import free_port, start_serve, stop_serve
+from lightning_core.serving.process import free_port, start_serve, stop_serve
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, RolloutStatus, Task
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from lightning_core import tracing
 from lightning_core.errors import IllegalTransition, InvalidInput, LightningError
-from lightning_core.keys import agent_key
+from lightning_core.security.keys import agent_key
 from lightning_core.store.base import LightningStore
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import AttemptStatus, Claim, LLMEndpoint, Rollout

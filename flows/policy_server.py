@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_core import serving
 from lightning_core.errors import StoreUnavailable
-from lightning_core.keys import bearer_header
+from lightning_core.security.keys import bearer_header
+from lightning_core.serving import process as serving
 from lightning_core.store.client import HttpStoreClient
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning_core.collect import Collected
-from lightning_core.curriculum import Curriculum, group_signal
+from lightning_core.data.collect import Collected
+from lightning_core.rollouts.curriculum import Curriculum, group_signal
 
 # (the round's tasks, the index of its first rollout in the iteration) -> its transitions
 RunRound = Callable[[Sequence[Mapping[str, Any]], int], Collected]

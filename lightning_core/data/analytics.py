@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lightning_core.data.files import write_atomically
 from lightning_core.errors import DiskFull, InvalidInput, NotFound
-from lightning_core.files import write_atomically
 from lightning_core.types import FiniteFloat, Transition
 
 # The step of the single row that stands for a rollout without any transition.

@@ -1,0 +1,1 @@
+"""Held-out statistics: a policy's score with its uncertainty, and base-against-final comparison."""
