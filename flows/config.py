@@ -12,8 +12,10 @@ model size; the algorithm does not change.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
+import logging
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -22,12 +24,14 @@ from pydantic_core import to_jsonable_python
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.data.collect import CreditConfig
-from lightning_core.data.offline import OfflineConfig
 from lightning_core.rollouts.curriculum import CurriculumConfig
+from lightning_core.serving.config import ServerConfig
+from lightning_core.types import Sampling
 from lightning_rl.flows.run_state import DEFAULT_RUN_DIR, run_name_problem
+from lightning_rl.flows.sections import DataConfig, EvaluationConfig, RolloutConfig
 from lightning_rl.registry.config import RegistryConfig
 
-DataSource = Literal["profile", "new_tasks", "episodes"]
+log = logging.getLogger(__name__)
 
 
 def _demo_trainer() -> TrainerConfig:
@@ -39,76 +43,32 @@ def _demo_trainer() -> TrainerConfig:
 
 class TrainConfig(BaseModel):
     """One training run: N iterations of rollouts, credit assignment, analytics, a LoRA update
-    and, every `eval_every` iterations, a held-out evaluation; then registration."""
+    and, every `evaluation.eval_every` iterations, a held-out evaluation; then registration."""
 
     agent: str = Field("calc", description="Agent profile name (calc), or 'module:function'.")
     tasks: str | None = Field(
         None, description="Task loader 'module:function' for agents without a profile."
     )
-    task_source: str | None = Field(
-        None,
-        description="Dataset of the agent's loader (calc: arithmetic, basic_arithmetic, "
-        "gsm_symbolic); None: the profile's default.",
-    )
     iterations: int = Field(12, ge=1, description="Training iterations.")
-    tasks_per_iteration: int = Field(16, ge=1, description="Train tasks sampled per iteration.")
-    group_size: int = Field(
-        4, ge=1, description="Rollouts per task (G): the group whose mean is the baseline."
-    )
-    temperature: float = Field(
-        0.8, ge=0, description="Sampling temperature of training rollouts (evaluation is greedy)."
-    )
-    max_attempts: int = Field(2, ge=1, description="Attempts per rollout before it fails.")
-    rollout_timeout_s: float | None = Field(
-        None, gt=0, description="Time budget of one attempt; None: the agent profile's."
-    )
-    rollout_workers: int = Field(
-        2, ge=1, description="Rollout tasks fanned out with .map per iteration (one per worker)."
-    )
-    rollout_concurrency: int = Field(16, ge=1, description="Agents each rollout task runs at once.")
-    task_runner: Literal["threads", "ray", "dask"] = Field(
-        "threads",
-        description="Where rollout tasks run: a thread pool here, or a Ray or Dask cluster "
-        "(pip install lightning-rl[cluster]; the server must then be reachable from it).",
-    )
-    task_runner_address: str | None = Field(
-        None, description="Ray address or Dask scheduler address; None starts a local one."
-    )
-    staleness: int = Field(
-        0,
-        ge=0,
-        description="Concurrent rollouts and training: the next iterations' rollouts run on "
-        "the newest published policy while this iteration's update trains, at most this many "
-        "versions behind the policy they train. 0: one after the other (each iteration's "
-        "rollouts on the policy the previous one published). Above 0 the update uses truncated "
-        "importance sampling (trainer.tis_cap, 2.0 unless set). Not with data=episodes.",
-    )
-    replicas: int = Field(
-        1,
-        ge=1,
-        description="Backend processes the policy server serves the policy from (least-loaded "
-        "routing, a rollout's calls kept on one replica, each new adapter loaded on all before "
-        "it is published). 1: one backend in the server's own process.",
-    )
-    eval_every: int = Field(4, ge=1, description="Evaluate on the held-out split every E.")
-    eval_size: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
-    train_size: int = Field(2000, ge=1, description="Size of the train split sampled from.")
     updates_per_iteration: int = Field(
         1, ge=1, description="Optimizer updates per iteration (mini-batches of its transitions)."
     )
-    model: str | None = Field(
-        None, description="Base model folder or hub id; None: SmolLM2-135M-Instruct; 'tiny'."
+    seed: int = Field(
+        0,
+        description="Seeds task sampling, each rollout's sampling (a seed per rollout, sent to "
+        "the policy with its calls) and the adapter's initialisation: a repeated run samples "
+        "the same rollouts.",
     )
-    backend: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Policy backend: transformers (CPU/GPU) or vllm (GPU)."
-    )
-    vllm_url: str | None = Field(None, description="With vllm: attach to this server.")
-    host: str = Field("127.0.0.1", description="Address the policy server binds.")
     run_dir: str = Field(
         DEFAULT_RUN_DIR, description="Folder of run folders (store, adapters, exports)."
     )
     run_name: str | None = Field(
         None, description="Run folder and policy version prefix; None: '<agent>-<timestamp>'."
+    )
+    warm_start: Literal["base", "champion"] = Field(
+        "base",
+        description="Start from the base model, or from the registered champion's adapter "
+        "(the base model when there is no champion yet, said in the log).",
     )
     train_agents: list[str] | None = Field(
         None, description="Train only these agent names' calls; None: the profile's choice."
@@ -122,12 +82,16 @@ class TrainConfig(BaseModel):
     air_reward: float | None = Field(
         None, description="Override the profile's tool-success AIR reward (0 turns AIR off)."
     )
-    seed: int = Field(
-        0,
-        description="Seeds task sampling, each rollout's sampling (a seed per rollout, sent to "
-        "the policy with its calls) and the adapter's initialisation: a repeated run samples "
-        "the same rollouts.",
+    rollouts: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="Each iteration's rollouts: how many, how they sample, where they run.",
     )
+    server: ServerConfig = Field(
+        default_factory=ServerConfig,
+        description="The policy server the rollouts call (the settings `lightning-rl serve` "
+        "takes); its backend is transformers or vllm.",
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="What the run trains on.")
     trainer: TrainerConfig = Field(
         default_factory=_demo_trainer,
         description="The LoRA policy-gradient update; its model and seed are the run's.",
@@ -142,49 +106,24 @@ class TrainConfig(BaseModel):
         description="How each iteration draws its tasks: by tier, and with resampling when too "
         "few groups carry a signal.",
     )
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig,
+        description="The held-out evaluation: how often, on how many tasks, which benchmark.",
+    )
     registry: RegistryConfig = Field(
         default_factory=lambda: RegistryConfig(registered_model=""),
         description="MLflow; an empty registered_model means the profile's.",
     )
-    # Recurring retraining (docs/production.md).
-    data: DataSource = Field(
-        "profile",
-        description="What the run trains on: profile (the agent's train split, the same every "
-        "run), new_tasks (online RL on the tasks appended to task_table since the previous "
-        "new_tasks run) or episodes (offline, on the production episodes of episodes_from whose "
-        "feedback arrived since the previous episodes run). With new_tasks or episodes, a run "
-        "that finds nothing new says so and ends without training or registering.",
-    )
-    task_table: str | None = Field(
-        None,
-        description="Folder of the appendable task table (Parquet files, `lightning-rl data "
-        "add-tasks`) that data=new_tasks reads; None: <run_dir>/data/<agent>-tasks.",
-    )
-    episodes_from: str | None = Field(
-        None,
-        description="URL of the production server (`lightning-rl production`) whose captured "
-        "episodes and feedback data=episodes trains on; its key from episodes_key_file, else "
-        "LIGHTNING_API_KEY.",
-    )
-    episodes_key_file: str | None = Field(
-        None, description="File holding the production server's API key (a path, never the key)."
-    )
-    offline: OfflineConfig = Field(
-        default_factory=OfflineConfig,
-        description="data=episodes: how feedback becomes a reward and how the off-policy "
-        "episodes are trained on (importance-weighted, or reward-filtered fine-tuning).",
-    )
-    warm_start: Literal["base", "champion"] = Field(
-        "base",
-        description="Start from the base model, or from the registered champion's adapter "
-        "(the base model when there is no champion yet, said in the log).",
-    )
-    benchmark_id: str | None = Field(
-        None,
-        description="Pin the held-out benchmark: the run stops before training unless its "
-        "test split has this id (a run's eval.benchmark_id tag in MLflow; a run pinned to "
-        "another id names the one it found).",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_flat_names(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        grouped, moved = grouped_fields(values)
+        if moved:
+            log.warning(flat_names_notice(moved))
+        return grouped
 
     @field_validator("run_name")
     @classmethod
@@ -195,24 +134,97 @@ class TrainConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _a_training_server_serves_a_policy(self) -> TrainConfig:
+        if self.server.backend == "none":
+            raise ValueError("server.backend none serves no policy: use transformers or vllm")
+        return self
+
+    @model_validator(mode="after")
     def _stale_rollouts_are_truncated(self) -> TrainConfig:
-        if self.staleness and self.data == "episodes":
+        if self.rollouts.staleness and self.data.source == "episodes":
             raise ValueError(
                 "staleness overlaps rollouts with training; data=episodes trains on recorded "
                 "episodes and has no rollouts: use staleness=0"
             )
-        if self.staleness and "tis_cap" not in self.trainer.model_fields_set:
+        if self.rollouts.staleness and "tis_cap" not in self.trainer.model_fields_set:
             self.trainer = self.trainer.model_copy(update={"tis_cap": 2.0})
         return self
 
     @model_validator(mode="after")
     def _episodes_need_a_source(self) -> TrainConfig:
-        if self.data == "episodes" and not self.episodes_from:
+        if self.data.source == "episodes" and not self.data.episodes_from:
             raise ValueError(
                 "data=episodes trains on a production server's episodes: set episodes_from "
                 "to its URL (e.g. http://127.0.0.1:4748)"
             )
         return self
+
+
+# The sections whose settings also go by a flat name (`group_size` for rollouts.group_size):
+# the `lightning-rl train` flags, and the names of earlier releases in config files.
+SECTIONS = ("rollouts", "server", "data", "evaluation")
+# Where a section's field and its flat name differ.
+_RENAMED = {("data", "source"): "data"}
+
+
+@functools.cache
+def flat_names() -> dict[str, tuple[str, ...]]:
+    """Flat name -> where the setting lives (`temperature` -> rollouts.sampling.temperature).
+    Sampling's fields are flat too; a field whose flat name is a top-level setting (the
+    sampling seed: the run's seed makes it) has none."""
+    names: dict[str, tuple[str, ...]] = {}
+
+    def walk(model: type[BaseModel], path: tuple[str, ...]) -> None:
+        for name, field in model.model_fields.items():
+            where = (*path, name)
+            if field.annotation is Sampling:
+                walk(Sampling, where)
+                continue
+            flat = _RENAMED.get(where, name)
+            if flat in TrainConfig.model_fields and flat not in SECTIONS:
+                continue
+            assert flat not in names, f"two settings flatten to {flat}"
+            names[flat] = where
+
+    for section in SECTIONS:
+        walk(TrainConfig.model_fields[section].annotation, (section,))
+    return names
+
+
+def grouped_fields(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`values` with settings given by their flat names moved into their sections, and the
+    flat names it found. A section given as an object stays; `data` as a string is the flat
+    name of data.source."""
+    grouped = {k: v for k, v in values.items() if k not in flat_names() or _is_section(k, v)}
+    moved = []
+    for name, value in values.items():
+        if name not in flat_names() or _is_section(name, value):
+            continue
+        *parents, leaf = flat_names()[name]
+        target = grouped
+        for parent in parents:
+            inner = target.get(parent, {})
+            if isinstance(inner, BaseModel):
+                inner = inner.model_dump(exclude_unset=True)
+            if not isinstance(inner, dict):
+                raise ValueError(f"{parent} must be an object of settings, not {inner!r}")
+            target[parent] = target = dict(inner)  # a copy: the caller's dict stays as it was
+        target.setdefault(leaf, value)  # the grouped name wins over the flat one
+        moved.append(name)
+    return grouped, moved
+
+
+def _is_section(name: str, value: Any) -> bool:
+    # A section comes as an object: a dict, or its model (a flow's validated parameters).
+    return name in SECTIONS and isinstance(value, dict | BaseModel)
+
+
+def flat_names_notice(moved: list[str]) -> str:
+    where = ", ".join(f"{n} as {'.'.join(flat_names()[n])}" for n in moved)
+    return (
+        f"training settings by their flat names are read into their sections ({where}); "
+        "write them there: flat names are read until the next release"
+    )
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -90,8 +90,8 @@ class DataPlan(BaseModel):
 
 def table_folder(config: Any, agent_name: str) -> Path:
     """data=new_tasks reads this table: the configured folder, else <run_dir>/data/<agent>-tasks."""
-    if config.task_table:
-        return Path(config.task_table).resolve()
+    if config.data.task_table:
+        return Path(config.data.task_table).resolve()
     return Path(config.run_dir).resolve() / "data" / f"{agent_name}-tasks"
 
 

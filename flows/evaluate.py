@@ -17,6 +17,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from lightning_core.errors import InvalidInput, NotFound
+from lightning_core.serving.config import ServerConfig
 from lightning_rl.flows import report
 from lightning_rl.flows.policy_server import policy_server
 from lightning_rl.flows.profiles import profile
@@ -60,7 +61,9 @@ def evaluate(
                 f"registered model {config.registered_model!r} has no version {policy!r}: "
                 "train one first (lightning-rl train), or evaluate 'base'"
             )
-    with policy_server(root / "store.duckdb", model=model, tool_format=spec.tool_format) as server:
+    with policy_server(
+        root / "store.duckdb", ServerConfig(model=model), tool_format=spec.tool_format
+    ) as server:
         name = server.base_model
         if found is not None:
             name = publish_policy(

@@ -45,18 +45,18 @@ from lightning_rl.tasks.training import Update, publish_policy, update_policy
 
 def _cluster_runner(config: TrainConfig) -> Any:
     """The Ray or Dask task runner a cluster fan-out uses."""
-    if config.task_runner == "ray":
+    if config.rollouts.task_runner == "ray":
         from prefect_ray import RayTaskRunner
 
-        return RayTaskRunner(address=config.task_runner_address)
+        return RayTaskRunner(address=config.rollouts.task_runner_address)
     from prefect_dask import DaskTaskRunner
 
-    return DaskTaskRunner(address=config.task_runner_address)
+    return DaskTaskRunner(address=config.rollouts.task_runner_address)
 
 
 def fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, int]]:
     """run-rollouts mapped over the workers: on the flow's thread pool, or a cluster's runner."""
-    if config.task_runner == "threads":
+    if config.rollouts.task_runner == "threads":
         futures = run_rollouts.map(**parameters)
         return [f.result() for f in futures]
     # A cluster's workers may run on other machines, where paths on this one do not exist.
@@ -65,7 +65,7 @@ def fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, i
         # The policy server's key is then the user's (flows/policy_server.py): workers read it from
         # their own LIGHTNING_API_KEY, not from the key file.
         parameters["key_file"] = unmapped(None)
-    if config.task_runner_address is not None:
+    if config.rollouts.task_runner_address is not None:
         # The run folder's progress file stays on this machine; the flow reports the stages.
         parameters["run_dir"] = unmapped(None)
     with _cluster_runner(config) as runner:
@@ -94,11 +94,11 @@ def _rollouts(
         rollout_ids = plan_rollouts.submit(
             run.server_url,
             list(tasks),
-            config.group_size,
+            config.rollouts.group_size,
             policy,
             f"{run.run_name}-it{it}",
-            {"temperature": config.temperature},
-            config.max_attempts,
+            config.rollouts.sampling,
+            config.rollouts.max_attempts,
             seed=config.seed,
             iteration=it,
             first_index=first_index,
@@ -107,12 +107,12 @@ def _rollouts(
         fan_out(
             config,
             {
-                "worker": list(range(config.rollout_workers)),
+                "worker": list(range(config.rollouts.rollout_workers)),
                 "server_url": unmapped(run.server_url),
                 "agent": unmapped(agent.agent),
                 "rollout_ids": unmapped(rollout_ids),
-                "concurrency": unmapped(config.rollout_concurrency),
-                "rollout_timeout_s": unmapped(config.rollout_timeout_s),
+                "concurrency": unmapped(config.rollouts.rollout_concurrency),
+                "rollout_timeout_s": unmapped(config.rollouts.rollout_timeout_s),
                 "default_model": unmapped(policy),
                 "run_dir": unmapped(run.root),
                 "key_file": unmapped(run.key_file),
@@ -122,7 +122,9 @@ def _rollouts(
             run.server_url, rollout_ids, adapter, credit_config, key_file=run.key_file
         ).result()
 
-    return sample_rounds(curriculum, config.tasks_per_iteration, config.group_size, it, run_round)
+    return sample_rounds(
+        curriculum, config.rollouts.tasks_per_iteration, config.rollouts.group_size, it, run_round
+    )
 
 
 def _curriculum(config: TrainConfig, run: RunContext, learnability: dict[str, float]) -> Curriculum:
@@ -193,7 +195,7 @@ def train_iteration(
     curriculum = _curriculum(config, run, checkpoint.learnability)
     ahead = pipeline.running()
     overlap: dict[str, float] = {}
-    if config.data == "episodes":
+    if config.data.source == "episodes":
         collected, sampled = _offline_data(run)
     elif ahead is not None:
         batch, waited = ahead.take(it)
@@ -213,15 +215,17 @@ def train_iteration(
     progress.report(run.root, "training", iteration=it, transitions=len(collected.trainable))
     adapter_dir = str(Path(run.root) / "adapters" / f"v{it}")
     update = Update(
-        trainer=config.trainer.model_copy(update={"model": config.model, "seed": config.seed}),
+        trainer=config.trainer.model_copy(
+            update={"model": config.server.model, "seed": config.seed}
+        ),
         previous_adapter=checkpoint.adapter_dir or None,
         adapter_dir=adapter_dir,
         updates=config.updates_per_iteration,
         seed=config.seed + it,
         agents=agents,
-        offline=config.offline if config.data == "episodes" else None,
+        offline=config.data.offline if config.data.source == "episodes" else None,
     )
-    offline = plan_batch(run.root) if config.data == "episodes" else None
+    offline = plan_batch(run.root) if config.data.source == "episodes" else None
     trained = update_policy(update, collected.transitions, offline)
     policy = publish_policy(
         run.server_url,
@@ -238,7 +242,7 @@ def train_iteration(
     metrics |= {**trained, **overlap}
     _record_iteration(run, checkpoint, metrics)
     evaluations = checkpoint.evaluations
-    if it % config.eval_every == 0 or it == config.iterations:
+    if it % config.evaluation.eval_every == 0 or it == config.iterations:
         result = evaluate(config, agent, run, policy)
         evaluations = record_evaluation(run, checkpoint, it, result)
     done = checkpoint.model_copy(
@@ -260,7 +264,7 @@ def rollouts_ahead(
 ) -> contextlib.AbstractContextManager[Any]:
     """With staleness > 0, the producer that samples iterations' rollouts ahead of their
     training (flows/pipeline.py); with 0, nothing: each iteration samples its own."""
-    if not config.staleness or config.data == "episodes":
+    if not config.rollouts.staleness or config.data.source == "episodes":
         return contextlib.nullcontext()
 
     # Each batch starts from the learnability the previous batch left: one curriculum.
@@ -280,5 +284,5 @@ def rollouts_ahead(
         checkpoint.iteration + 1,
         config.iterations,
         checkpoint.policy or run.base_model,
-        config.staleness,
+        config.rollouts.staleness,
     )

@@ -23,6 +23,7 @@ from pathlib import Path
 from lightning_core.errors import StoreUnavailable
 from lightning_core.security.keys import bearer_header
 from lightning_core.serving import process as serving
+from lightning_core.serving.config import ServerConfig, serve_options
 from lightning_core.store.client import HttpStoreClient
 
 
@@ -77,36 +78,28 @@ def store_client(server_url: str, key_file: str | None = None) -> HttpStoreClien
 @contextlib.contextmanager
 def policy_server(
     db: Path,
+    server: ServerConfig | None = None,
     *,
-    host: str = "127.0.0.1",
-    backend: str = "transformers",
-    model: str | None = None,
     tool_format: str = "auto",
-    vllm_url: str | None = None,
     start_timeout_s: float = 900.0,
     max_restarts: int = serving.MAX_RESTARTS,
-    replicas: int = 1,
     env: dict[str, str] | None = None,
 ) -> Iterator[PolicyServer]:
-    """Start the server on a free port and stop it (cleanly) on the way out. Its key is the
-    user's LIGHTNING_API_KEY when set (external runners may share it), else a fresh one.
-    `replicas` > 1 serves the policy from that many backend processes (`serve --replicas`).
-    `env` adds to the server's environment (this process's, which it inherits).
+    """Start the server `server` describes (default: the base model on transformers, on
+    loopback) on a free port and stop it (cleanly) on the way out. Its key is the user's
+    LIGHTNING_API_KEY when set (external runners may share it), else a fresh one. `env` adds to
+    the server's environment (this process's, which it inherits).
 
     A server that dies meanwhile (killed, out of memory) is started again on the same store
     file, port and key, up to `max_restarts` times; past that, leaving raises StoreUnavailable
     with why it died."""
     key = os.environ.get("LIGHTNING_API_KEY") or secrets.token_urlsafe(32)
     key_file = Path(f"{db}.key")
+    server = server or ServerConfig()
+    host = server.host
     port = serving.free_port(host)
-    options = ["--host", host, "--backend", backend, "--tool-format", tool_format]
-    if model:
-        options += ["--model", model]
-    # The vLLM URL goes through the environment, never the command line, which any user of the
-    # machine can read: a password inside it (http://user:pass@host) stays private.
-    secrets_env = {"LIGHTNING_VLLM_URL": vllm_url} if vllm_url else {}
-    if replicas != 1:
-        options += ["--replicas", str(replicas)]
+    options, secrets_env = serve_options(server)
+    options += ["--tool-format", tool_format]
     write_key_file(key_file, key)
     try:
         # The first start on a fresh machine converts the default model (about 20 s) and, for

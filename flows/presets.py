@@ -17,16 +17,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The defaults, so that a run's command line can name its preset either way.
     "cpu": {},
     "gpu": {
-        # 1.5B: large enough for multi-step agent tasks, small enough that vLLM and the trainer
-        # share one card; the Instruct model already follows the chat templates agents use.
-        "model": "Qwen/Qwen2.5-1.5B-Instruct",
-        "backend": "vllm",
+        "server": {
+            # 1.5B: large enough for multi-step agent tasks, small enough that vLLM and the
+            # trainer share one card; the Instruct model already follows the chat templates
+            # agents use.
+            "model": "Qwen/Qwen2.5-1.5B-Instruct",
+            "backend": "vllm",
+        },
         # More rollouts per iteration: vLLM's continuous batching is cheap at high concurrency,
         # and larger groups give lower-variance group baselines.
-        "tasks_per_iteration": 64,
-        "group_size": 8,
-        "rollout_workers": 4,
-        "rollout_concurrency": 64,
+        "rollouts": {
+            "tasks_per_iteration": 64,
+            "group_size": 8,
+            "rollout_workers": 4,
+            "rollout_concurrency": 64,
+        },
         "trainer": {
             "dtype": "bfloat16",
             # One forward of 16k tokens fits a 1.5B model's activations in bf16 on such a card.

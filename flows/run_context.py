@@ -56,14 +56,18 @@ def plan_batch(root: str) -> OfflineBatch:
 def train_tasks(config: TrainConfig, root: str | None = None) -> list[dict[str, Any]]:
     """The tasks rollouts draw from: the agent's train split, or (data=new_tasks) the task
     table's new tasks the run's data plan saved in its folder."""
-    if config.data == "new_tasks" and root is not None:
+    if config.data.source == "new_tasks" and root is not None:
         return plan_tasks(root)
-    return _load_tasks(config.agent, config.tasks, "train", config.train_size, config.task_source)
+    return _load_tasks(
+        config.agent, config.tasks, "train", config.data.train_size, config.data.task_source
+    )
 
 
 def heldout_tasks(config: TrainConfig) -> list[dict[str, Any]]:
     """The held-out benchmark's tasks."""
-    return _load_tasks(config.agent, config.tasks, "test", config.eval_size, config.task_source)
+    return _load_tasks(
+        config.agent, config.tasks, "test", config.evaluation.eval_size, config.data.task_source
+    )
 
 
 def credit(config: TrainConfig, agent: AgentProfile) -> CreditConfig:
@@ -90,7 +94,7 @@ def policy_agents(config: TrainConfig, agent: AgentProfile) -> list[str] | None:
     """The agents that get a policy each with policy_per_agent; None: one shared policy."""
     if not config.policy_per_agent:
         return None
-    if config.data == "episodes":
+    if config.data.source == "episodes":
         raise InvalidInput(
             "policy_per_agent with data=episodes is not supported yet: train production "
             "episodes into one shared policy (policy_per_agent=false)"

@@ -77,7 +77,7 @@ def _register(start: Start, checkpoint: Checkpoint, final: EvalResult) -> Promot
     decision = register_policy(
         start.registry,
         checkpoint.adapter_dir,
-        start.config.model or "smollm2",
+        start.config.server.model or "smollm2",
         checkpoint.policy,
         start.config.iterations,
         final.score,

@@ -73,12 +73,12 @@ def _check_benchmark(config: TrainConfig, agent: AgentProfile, tasks: list[dict[
     found = benchmark_id(
         tasks, agent=agent.agent, threshold=credit(config, agent).success_threshold
     )
-    if config.benchmark_id is not None and found != config.benchmark_id:
+    if config.evaluation.benchmark_id is not None and found != config.evaluation.benchmark_id:
         raise InvalidInput(
             f"the held-out benchmark is {found}, but the run pins benchmark_id="
-            f"{config.benchmark_id}: its tasks or how they are scored changed (eval_size, "
-            "task_source, the agent or its dataset). Scores on different benchmarks are not "
-            f"comparable; pin {found} once you mean to move to it"
+            f"{config.evaluation.benchmark_id}: its tasks or how they are scored changed "
+            "(eval_size, task_source, the agent or its dataset). Scores on different benchmarks "
+            f"are not comparable; pin {found} once you mean to move to it"
         )
     return found
 
@@ -87,19 +87,19 @@ def _plan_data(
     config: TrainConfig, agent: AgentProfile, registry: RegistryConfig
 ) -> tuple[data_plan.DataPlan, list[dict[str, Any]] | None, Any]:
     """(plan, the new tasks, the offline batch): what this run trains on."""
-    if config.data == "new_tasks":
+    if config.data.source == "new_tasks":
         plan, tasks = data_plan.plan_new_tasks(
             data_plan.table_folder(config, agent.name), registry, agent.name
         )
         return plan, tasks, None
-    if config.data == "episodes":
-        offline = config.offline
+    if config.data.source == "episodes":
+        offline = config.data.offline
         if "success_threshold" not in offline.model_fields_set:
             threshold = credit(config, agent).success_threshold
             offline = offline.model_copy(update={"success_threshold": threshold})
         plan, batch = data_plan.plan_episodes(
-            str(config.episodes_from),
-            config.episodes_key_file,
+            str(config.data.episodes_from),
+            config.data.episodes_key_file,
             registry,
             agent.name,
             offline,
@@ -161,14 +161,15 @@ def start_run(config: TrainConfig) -> Start | dict[str, Any]:
     plan = data_plan.load_plan(path) if resumed else None
     if plan is None:
         plan, new_tasks, batch = _plan_data(config, agent, registry)
-        if plan.empty and config.data != "profile" and not resumed:
+        if plan.empty and config.data.source != "profile" and not resumed:
             return _nothing_new(agent, run_name, plan)
         root, checkpoint = _folder(config, run_name)
         data_plan.save_plan(root, plan, new_tasks, batch)
     else:
         root, checkpoint = _folder(config, run_name)
-    if config.rollout_timeout_s is None:
-        config = config.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
+    if config.rollouts.rollout_timeout_s is None:
+        rollouts = config.rollouts.model_copy(update={"rollout_timeout_s": agent.rollout_timeout_s})
+        config = config.model_copy(update={"rollouts": rollouts})
     ensure_gpu_limit()
     progress.report(root, "start", run=run_name, iterations=config.iterations)
     get_run_logger().info(
@@ -190,7 +191,7 @@ def server_env(config: TrainConfig) -> dict[str, str]:
     """With rollouts overlapping training on CPU, the policy server's OpenMP threads wait
     passively: spinning, they burn the cores the trainer (another process) needs while they
     wait for a sibling it pushed off a core, and both sides crawl (BENCHMARKS.md, issue 15)."""
-    overlapping = config.staleness and config.backend == "transformers"
+    overlapping = config.rollouts.staleness and config.server.backend == "transformers"
     if overlapping and "OMP_WAIT_POLICY" not in os.environ:
         return {"OMP_WAIT_POLICY": "PASSIVE"}
     return {}
@@ -204,12 +205,8 @@ def serve(start: Start) -> Iterator[tuple[RunContext, PolicyServer, str]]:
     with (
         policy_server(
             start.root / "store.duckdb",
-            host=config.host,
-            backend=config.backend,
-            model=config.model,
+            config.server,
             tool_format=start.agent.tool_format,
-            vllm_url=config.vllm_url,
-            replicas=config.replicas,
             env=server_env(config),
         ) as server,
         tracking(

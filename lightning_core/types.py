@@ -316,6 +316,35 @@ class PolicyVersion(_Model):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+class Sampling(_Model):
+    """How a rollout's model calls sample, as the algorithm asks for it: from the training
+    config (TrainConfig.rollouts.sampling) through the rollout's metadata and the runner to the
+    agent's endpoint (`LLMEndpoint.sampling`, as the client's keyword arguments). Unset fields
+    are the agent's or the gateway's defaults."""
+
+    temperature: float | None = Field(
+        None, ge=0, description="Sampling temperature; 0 is greedy (evaluation)."
+    )
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens of one completion.")
+    seed: int | None = Field(
+        None,
+        description="Seed of the rollout's first call (a run sets one per rollout from its own "
+        "seed; a retried attempt samples anew).",
+    )
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields that are set, as an OpenAI client's keyword arguments."""
+        return self.model_dump(exclude_none=True)
+
+    def for_attempt(self, sequence_id: int) -> Sampling:
+        """The sampling of a rollout's `sequence_id`-th attempt: a retry samples anew, since
+        the same seed would replay the attempt that failed."""
+        if self.seed is None or sequence_id == 1:
+            return self
+        return self.model_copy(update={"seed": self.seed + (sequence_id - 1) * 1_000_003})
+
+
 class LLMEndpoint(_Model):
     """What an agent gets to reach the policy: any OpenAI-compatible client works with it."""
 
@@ -326,8 +355,9 @@ class LLMEndpoint(_Model):
     )
     sampling: dict[str, Any] = Field(
         default_factory=dict,
-        description="Sampling the algorithm asks for (temperature, top_p, max_tokens); an agent "
-        "passes these to its client where it can. Evaluation asks for temperature 0.",
+        description="Sampling the algorithm asks for (temperature, top_p, max_tokens, seed: "
+        "Sampling.as_kwargs()); an agent passes these to its client where it can. Evaluation "
+        "asks for temperature 0.",
     )
 
 

@@ -14,7 +14,7 @@ from lightning_core.data.collect import Collected, CreditConfig, collect
 from lightning_core.rollouts.agent_ref import load_agent
 from lightning_core.rollouts.runner import AttemptResult, Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
-from lightning_core.types import RolloutRequest
+from lightning_core.types import RolloutRequest, Sampling
 from lightning_rl.flows import progress
 from lightning_rl.flows.policy_server import store_client
 
@@ -59,7 +59,7 @@ async def plan_rollouts(
     group_size: int,
     policy_version: str,
     group_prefix: str,
-    sampling: dict[str, Any],
+    sampling: Sampling,
     max_attempts: int,
     seed: int | None = None,
     iteration: int = 0,
@@ -82,9 +82,13 @@ async def plan_rollouts(
             policy_version=policy_version,
             max_attempts=max_attempts,
             metadata={
-                "sampling": sampling
-                if seed is None
-                else {**sampling, "seed": rollout_seed(seed, iteration, first_index + k)}
+                "sampling": (
+                    sampling
+                    if seed is None
+                    else sampling.model_copy(
+                        update={"seed": rollout_seed(seed, iteration, first_index + k)}
+                    )
+                ).as_kwargs()
             },
         )
         for k, t in enumerate(t for t in tasks for _ in range(group_size))

@@ -69,3 +69,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         timeout=180,
         env={**clean, **(env or {})},
     )
+
+
+def train_params(*layers: dict[str, Any]) -> dict[str, Any]:
+    """The train flow's parameters from layers of settings, each over the ones before it
+    (nested objects merged key by key). A layer may name a section's setting by its flat name
+    (`group_size`), as `lightning-rl train`'s flags do."""
+    from lightning_rl.flows.cli.options import merged_layers
+    from lightning_rl.flows.config import grouped_fields
+
+    return merged_layers([grouped_fields(layer)[0] for layer in layers])

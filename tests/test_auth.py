@@ -32,9 +32,10 @@ from lightning_core import semconv
 from lightning_core.errors import Unauthorized
 from lightning_core.models import tiny_model_dir
 from lightning_core.serving import process as serving
+from lightning_core.serving.config import ServerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.tracing import emit_reward
-from lightning_core.types import RolloutRequest
+from lightning_core.types import RolloutRequest, Sampling
 from tests.conftest import gateway_server
 from tests.helpers import run_cli
 
@@ -328,7 +329,7 @@ def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_p
     from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
 
     db = tmp_path / "store.duckdb"
-    with policy_server(db, model="tiny", tool_format="line") as server:
+    with policy_server(db, ServerConfig(model="tiny"), tool_format="line") as server:
         key_file = Path(server.key_file)
         assert key_file.parent == tmp_path and key_file.stat().st_mode & 0o777 == 0o600
         key = key_file.read_text()
@@ -344,7 +345,14 @@ def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_p
         tasks = [{"id": i, "question": f"Say {i}.", "reward": i % 2} for i in range(3)]
         ids = asyncio.run(
             plan_rollouts.fn(
-                server.url, tasks, 2, server.base_model, "g", {}, 1, key_file=server.key_file
+                server.url,
+                tasks,
+                2,
+                server.base_model,
+                "g",
+                Sampling(),
+                1,
+                key_file=server.key_file,
             )
         )
         stats = asyncio.run(
@@ -381,7 +389,9 @@ def test_the_flows_policy_server_takes_the_users_key(tmp_path, monkeypatch):
     from lightning_rl.flows.policy_server import policy_server, store_client
 
     monkeypatch.setenv("LIGHTNING_API_KEY", KEY)
-    with policy_server(tmp_path / "store.duckdb", model="tiny", tool_format="line") as server:
+    with policy_server(
+        tmp_path / "store.duckdb", ServerConfig(model="tiny"), tool_format="line"
+    ) as server:
         key_file = Path(server.key_file)
         assert key_file.read_text() == KEY and key_file.stat().st_mode & 0o777 == 0o600
         with httpx.Client(base_url=server.url) as anonymous:

@@ -65,12 +65,13 @@ def test_train_resume_of_a_run_that_is_not_there_says_so(tmp_path):
 
 
 def test_train_help_lists_every_setting_with_its_description():
-    from lightning_rl.flows.config import TrainConfig
+    from lightning_rl.flows.config import SECTIONS, TrainConfig, flat_names
 
     result = cli("train", "--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # rich wraps the help across lines and boxes
-    for name in TrainConfig.model_fields:
+    names = [n for n in TrainConfig.model_fields if n not in SECTIONS] + list(flat_names())
+    for name in names:
         assert f"--{name.replace('_', '-')}" in text, name
     for flag in ("--train-agent", "--no-policy-per-agent", "--config", "--resume", "--quiet"):
         assert flag in text

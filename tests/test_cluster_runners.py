@@ -106,23 +106,24 @@ def _train(root: Path, task_runner: str, address: str | None = None) -> dict:
     state = train(
         agent="tests.flow_agents:agent",
         tasks="tests.flow_agents:load_tasks",
-        model="tiny",
         iterations=1,
-        tasks_per_iteration=TASKS,
-        group_size=GROUP,
-        temperature=1.0,
-        eval_size=2,
-        eval_every=1,
-        rollout_workers=2,
-        rollout_concurrency=2,
-        task_runner=task_runner,
-        task_runner_address=address,
         run_dir=str(root / "runs"),
         run_name=task_runner,
         registry=RegistryConfig(
             tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model=f"cluster-{task_runner}"
         ),
         return_state=True,
+        server={"model": "tiny"},
+        rollouts={
+            "tasks_per_iteration": TASKS,
+            "group_size": GROUP,
+            "sampling": {"temperature": 1.0},
+            "rollout_workers": 2,
+            "rollout_concurrency": 2,
+            "task_runner": task_runner,
+            "task_runner_address": address,
+        },
+        evaluation={"eval_size": 2, "eval_every": 1},
     )
     assert state.is_completed(), state.message
     return state.result()

@@ -10,15 +10,18 @@ from typing import Any
 import pytest
 from prefect import flow
 from prefect.exceptions import ParameterTypeError
+from pydantic import BaseModel
 
 from lightning_core.errors import LightningError
 from lightning_rl.flows.cli.options import train_fields
 from lightning_rl.flows.cli.train import train_command
 from lightning_rl.flows.config import (
+    SECTIONS,
     SETTINGS_END,
     SETTINGS_PAGE,
     SETTINGS_START,
     TrainConfig,
+    flat_names,
     nested_models,
     settings_markdown,
     train_config_parameters,
@@ -28,6 +31,24 @@ REPO = Path(__file__).resolve().parents[1]
 FIELDS = list(TrainConfig.model_fields)
 DEFAULTS = TrainConfig().model_dump(mode="json")
 COMMAND_ONLY = {"config", "preset", "resume", "quiet"}
+# The options: the top-level settings, and each section's by its flat name.
+OPTIONS = [name for name in FIELDS if name not in SECTIONS] + list(flat_names())
+
+
+def _leaf(where: tuple[str, ...]) -> tuple[Any, Any]:
+    """(field info, TrainConfig's default) of the setting at `where`."""
+    value: Any = TrainConfig()
+    for name in where[:-1]:
+        value = getattr(value, name)
+    return type(value).model_fields[where[-1]], getattr(value, where[-1])
+
+
+def _described(name: str) -> tuple[str, Any]:
+    """(description, default) of option `name`."""
+    if name in flat_names():
+        field, default = _leaf(flat_names()[name])
+        return field.description or "", default
+    return TrainConfig.model_fields[name].description or "", getattr(TrainConfig(), name)
 
 
 @flow(name="config-surface")
@@ -47,7 +68,9 @@ def test_a_flow_over_the_generated_signature_has_every_field_typed_and_described
     for name, field in TrainConfig.model_fields.items():
         assert properties[name].get("description") == field.description, name
     assert properties["iterations"]["minimum"] == 1  # constraints reach the schema
-    assert properties["task_runner"]["enum"] == ["threads", "ray", "dask"]
+    rollouts = config_flow.parameters.definitions["RolloutConfig"]["properties"]
+    assert rollouts["task_runner"]["enum"] == ["threads", "ray", "dask"]  # and the sections' too
+    assert set(SECTIONS) <= set(nested_models())
     # Nested settings stay typed: a reference to their model's schema.
     for name, model in nested_models().items():
         assert properties[name]["$ref"] == f"#/definitions/{model.__name__}"
@@ -58,7 +81,7 @@ def test_the_generated_parameters_validate_and_coerce_as_prefect_does():
     with pytest.raises(ParameterTypeError, match="iterations"):
         config_flow.validate_parameters({"iterations": 0})
     with pytest.raises(ParameterTypeError, match="task_runner"):
-        config_flow.validate_parameters({"task_runner": "slurm"})
+        config_flow.validate_parameters({"rollouts": {"task_runner": "slurm"}})
     # Called outside a flow run, the function sees only what was passed.
     config = config_flow.fn(iterations=3, trainer={"learning_rate": 1e-3})
     assert config.iterations == 3 and config.trainer.learning_rate == 1e-3
@@ -84,26 +107,26 @@ def _options() -> dict[str, Any]:
     return {p.name: p for p in train_command().params}
 
 
-def test_the_train_command_has_one_option_per_field_and_its_own_three():
+def test_the_train_command_has_one_option_per_setting_and_its_own_four():
     options = _options()
-    assert set(options) - {"help"} == set(FIELDS) | COMMAND_ONLY
-    for name in FIELDS:
+    assert set(options) - {"help"} == set(OPTIONS) | COMMAND_ONLY
+    assert "--group-size" in options["group_size"].opts and "--data" in options["data"].opts
+    for name in OPTIONS:
         option = options[name]
         assert f"--{name.replace('_', '-')}" in option.opts, name
         assert option.default is None, f"{name}: an option defaults to 'not given'"
-        assert (option.help or "").startswith(
-            (TrainConfig.model_fields[name].description or "")[:30].replace("[", "\\[")
-        ), name
+        description, _ = _described(name)
+        assert (option.help or "").startswith(description[:30].replace("[", "\\[")), name
 
 
 def test_the_options_show_the_configs_defaults():
     options = _options()
-    for name in FIELDS:
-        default = DEFAULTS[name]
-        if name in nested_models() or default is None:
+    for name in OPTIONS:
+        _, default = _described(name)
+        if isinstance(default, BaseModel) or default is None:
             assert options[name].show_default is False, name
         else:
-            assert options[name].show_default == str(getattr(TrainConfig(), name)), name
+            assert options[name].show_default == str(default), name
 
 
 def test_the_options_keep_their_earlier_names_and_kinds():
@@ -118,7 +141,7 @@ def test_the_options_keep_their_earlier_names_and_kinds():
 
 
 def _given(**flags: Any) -> dict[str, Any]:
-    return {name: flags.get(name) for name in FIELDS}
+    return {name: flags.get(name) for name in OPTIONS}
 
 
 def test_flags_win_over_the_config_file_and_nested_ones_merge_key_by_key(tmp_path):
@@ -218,3 +241,94 @@ def test_a_users_success_threshold_is_kept_and_the_profiles_fills_in_only_when_u
     assert _credit(TrainConfig(agent="rag"), rag).success_threshold == rag.success_threshold
     mine = TrainConfig(agent="rag", credit={"success_threshold": 0.5})
     assert _credit(mine, rag).success_threshold == 0.5
+
+
+def test_settings_by_their_flat_names_are_read_into_their_sections_with_a_notice(
+    tmp_path, capsys, caplog
+):
+    # A config file of an earlier release (and a resumed run's saved config) is flat.
+    config = tmp_path / "old.json"
+    config.write_text(json.dumps({"group_size": 8, "model": "tiny", "temperature": 0.5}))
+    settings = TrainConfig.model_validate(train_fields(_given(), config, None))
+    assert settings.rollouts.group_size == 8 and settings.server.model == "tiny"
+    assert settings.rollouts.sampling.temperature == 0.5
+    notice = capsys.readouterr().err
+    assert notice.count("\n") == 1 and "group_size as rollouts.group_size" in notice
+    # Flags go by flat names by design: no notice.
+    settings = TrainConfig.model_validate(
+        train_fields(_given(group_size=3, data="new_tasks"), None, None)
+    )
+    assert (settings.rollouts.group_size, settings.data.source) == (3, "new_tasks")
+    assert capsys.readouterr().err == ""
+    # In Python (or a flow's parameters) too, with the notice in the log.
+    with caplog.at_level("WARNING"):
+        settings = TrainConfig(eval_every=2, data="episodes", episodes_from="http://127.0.0.1:1")
+    assert settings.evaluation.eval_every == 2 and settings.data.source == "episodes"
+    assert "eval_every as evaluation.eval_every" in caplog.text
+    # The grouped name wins over the flat one, and what was passed is left as it was.
+    given = {"group_size": 8, "rollouts": {"group_size": 2}}
+    assert TrainConfig.model_validate(given).rollouts.group_size == 2
+    assert given == {"group_size": 8, "rollouts": {"group_size": 2}}
+
+
+def test_the_deployments_parameters_are_valid_train_flow_parameters():
+    import yaml
+
+    from lightning_rl.flows.train import train
+
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    trains = [d for d in deployments if d["entrypoint"].endswith("flows/train.py:train")]
+    assert len(trains) >= 3
+    for deployment in trains:
+        params = train.validate_parameters(deployment.get("parameters") or {})
+        TrainConfig.model_validate(params)  # and as the flow reads them
+
+
+def test_serve_settings_and_the_flows_server_agree_field_by_field():
+    from lightning_core.serving.config import ServerConfig
+    from lightning_core.settings import ServeSettings
+
+    assert TrainConfig.model_fields["server"].annotation is ServerConfig
+    assert issubclass(ServeSettings, ServerConfig)
+    for name, field in ServerConfig.model_fields.items():
+        served = ServeSettings.model_fields[name]
+        assert (served.annotation, served.description) == (field.annotation, field.description)
+        assert served.get_default(call_default_factory=True) == field.get_default(
+            call_default_factory=True
+        ), name
+
+
+def test_the_flows_server_reaches_serve_as_it_was_configured(monkeypatch):
+    """The command line `serve_options` makes for a training run's server, read back by the
+    `serve` command: the same ServerConfig, every field set away from its default."""
+    from typer.main import get_command
+
+    from lightning_core.serving.config import ServerConfig, serve_options
+    from lightning_core.settings import ServeSettings
+    from lightning_rl.flows.cli import app
+
+    server = ServerConfig(
+        host="127.0.0.2",
+        backend="vllm",
+        model="tiny",
+        vllm_url="http://user:secret@127.0.0.1:8000",
+        vllm_python="/opt/vllm/bin/python",
+        replicas=2,
+        backend_options={"max_model_len": 4096},
+    )
+    assert {
+        n for n in ServerConfig.model_fields if getattr(server, n) != getattr(ServerConfig(), n)
+    } == set(ServerConfig.model_fields)
+    options, env = serve_options(server)
+    assert "secret" not in " ".join(options)  # the URL's password never on a command line
+    command = get_command(app).commands["serve"]
+    params = command.make_context("serve", list(options)).params
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    given = {k: v for k, v in params.items() if v is not None}
+    given["backend_options"] = json.loads(given["backend_options"])
+    settings = ServeSettings(**given)
+    assert (
+        ServerConfig.model_validate(settings.model_dump(include=set(ServerConfig.model_fields)))
+        == server
+    )

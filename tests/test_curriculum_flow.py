@@ -25,23 +25,23 @@ def run(tmp_path_factory):
         summary = train(
             agent="tests.flow_agents:agent",
             tasks="tests.flow_agents:load_tasks",
-            task_source="tiered",
-            model="tiny",
             iterations=2,
-            tasks_per_iteration=4,
-            group_size=4,
-            temperature=1.0,
-            eval_size=6,
-            eval_every=2,
-            train_size=40,
-            rollout_workers=1,
-            rollout_concurrency=8,
             run_dir=str(root / "runs"),
             run_name="cur",
             curriculum=CurriculumConfig(max_rounds=3, floor=0.1, smoothing=1.0),
             registry=RegistryConfig(
                 tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="cur-test"
             ),
+            data={"task_source": "tiered", "train_size": 40},
+            server={"model": "tiny"},
+            rollouts={
+                "tasks_per_iteration": 4,
+                "group_size": 4,
+                "sampling": {"temperature": 1.0},
+                "rollout_workers": 1,
+                "rollout_concurrency": 8,
+            },
+            evaluation={"eval_size": 6, "eval_every": 2},
         )
     events = [json.loads(line) for line in (root / "runs" / "cur" / "progress.jsonl").open()]
     return summary, [e for e in events if e["stage"] == "iterated"]

@@ -77,13 +77,13 @@ def test_a_run_with_no_new_tasks_says_why_and_trains_nothing(prefect_harness, tm
     )
     summary = train(
         **AGENT,
-        model="tiny",
-        data="new_tasks",
         warm_start="champion",
-        eval_size=3,
         run_dir=str(tmp_path / "runs"),
         run_name="nothing",
         registry=registry,
+        server={"model": "tiny"},
+        data={"source": "new_tasks"},
+        evaluation={"eval_size": 3},
     )
     assert summary["skipped"] is True
     assert "no new tasks" in summary["reason"] and "nothing trained" in summary["reason"]
@@ -95,13 +95,12 @@ def test_a_changed_benchmark_stops_a_pinned_run_before_it_trains(prefect_harness
     with pytest.raises(InvalidInput, match="pins benchmark_id=0123456789abcdef"):
         train(
             **AGENT,
-            model="tiny",
-            data="new_tasks",
-            eval_size=3,
-            benchmark_id="0123456789abcdef",
             run_dir=str(tmp_path / "runs"),
             run_name="pinned",
             registry=RegistryConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"),
+            server={"model": "tiny"},
+            data={"source": "new_tasks"},
+            evaluation={"eval_size": 3, "benchmark_id": "0123456789abcdef"},
         )
     assert not (tmp_path / "runs" / "pinned").exists()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_rl.flows.config import TrainConfig
+from lightning_rl.flows.config import SECTIONS, TrainConfig
 from lightning_rl.flows.profiles import profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,12 @@ CONFIGS = [
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_is_a_valid_train_config(path: Path) -> None:
     fields = json.loads(path.read_text())
+    # Written in their sections, as this release's configs are (no flat names of earlier ones).
     unknown = set(fields) - set(TrainConfig.model_fields)
+    flat = {
+        name for name, value in fields.items() if name in SECTIONS and not isinstance(value, dict)
+    }
+    assert not flat, f"{path.name}: flat names {flat}"
     assert not unknown, f"{path.name}: unknown fields {unknown}"
     config = TrainConfig.model_validate(fields)
     assert profile(config.agent, config.tasks).name == fields["agent"]

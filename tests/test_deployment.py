@@ -75,18 +75,21 @@ def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> N
             stdout=worker_log,
             stderr=subprocess.STDOUT,
         )
+        # Prefect merges a run's parameters over the deployment's one name deep: a section
+        # given here replaces the deployment's (data, which it does not give, stays).
         params = {
-            "model": "tiny",
+            "server": {"model": "tiny"},
             "iterations": 1,
-            "tasks_per_iteration": 2,
-            "group_size": 2,
-            "eval_size": 3,
-            "rollout_workers": 1,
-            "rollout_concurrency": 2,
+            "rollouts": {
+                "tasks_per_iteration": 2,
+                "group_size": 2,
+                "rollout_workers": 1,
+                "rollout_concurrency": 2,
+            },
+            # The deployment pins the 200-task calc benchmark; this run evaluates on 3 tasks.
+            "evaluation": {"eval_size": 3, "benchmark_id": None},
             "run_dir": str(tmp_path / "runs"),
             "run_name": "deployed",
-            # The deployment pins the 200-task calc benchmark; this run evaluates on 3 tasks.
-            "benchmark_id": None,
             "registry": {
                 "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
                 "registered_model": "deployed-calc",

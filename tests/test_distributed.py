@@ -138,14 +138,7 @@ def test_a_flow_iteration_trains_on_two_processes(tmp_path):
         state = train(
             agent="tests.flow_agents:agent",
             tasks="tests.flow_agents:load_tasks",
-            model="tiny",
             iterations=1,
-            tasks_per_iteration=2,
-            group_size=4,
-            temperature=1.0,
-            eval_size=2,
-            rollout_workers=1,
-            rollout_concurrency=2,
             trainer={"data_parallel": 2},
             run_dir=str(tmp_path / "runs"),
             run_name="dp",
@@ -153,6 +146,15 @@ def test_a_flow_iteration_trains_on_two_processes(tmp_path):
                 tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", registered_model="dp-test"
             ),
             return_state=True,
+            server={"model": "tiny"},
+            rollouts={
+                "tasks_per_iteration": 2,
+                "group_size": 4,
+                "sampling": {"temperature": 1.0},
+                "rollout_workers": 1,
+                "rollout_concurrency": 2,
+            },
+            evaluation={"eval_size": 2},
         )
         assert state.is_completed(), state.message
     from lightning_rl.tasks.training import _live

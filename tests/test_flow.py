@@ -43,19 +43,20 @@ def trained_state(prefect_harness, tmp_path_factory):
     state = train(
         agent="tests.flow_agents:agent",
         tasks="tests.flow_agents:load_tasks",
-        model="tiny",
         iterations=2,
-        tasks_per_iteration=3,
-        group_size=4,
-        temperature=1.0,
-        eval_size=6,
-        eval_every=1,
-        rollout_workers=2,
-        rollout_concurrency=3,
         run_dir=str(root / "runs"),
         run_name="e2e",
         registry=config,
         return_state=True,
+        server={"model": "tiny"},
+        rollouts={
+            "tasks_per_iteration": 3,
+            "group_size": 4,
+            "sampling": {"temperature": 1.0},
+            "rollout_workers": 2,
+            "rollout_concurrency": 3,
+        },
+        evaluation={"eval_size": 6, "eval_every": 1},
     )
     assert state.is_completed(), state.message
     return state, config, root / "runs" / "e2e"
@@ -231,7 +232,7 @@ def test_promotion_rule_on_the_registry(trained):
 def test_run_folder_has_config_summary_and_progress(trained):
     _, _, run = trained
     config = json.loads((run / "config.json").read_text())
-    assert config["iterations"] == 2 and config["model"] == "tiny"
+    assert config["iterations"] == 2 and config["server"]["model"] == "tiny"
     stages = [json.loads(line)["stage"] for line in (run / "progress.jsonl").open()]
     assert stages[0] == "start" and stages[-1] == "done"
     assert stages.count("iterated") == 2 and stages.count("evaluated") == 3

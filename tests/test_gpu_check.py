@@ -58,12 +58,12 @@ def _settings(preset: str | None, **flags) -> TrainConfig:
 
 def test_preset_gpu_resolves_to_the_large_model_on_vllm_in_bf16():
     gpu = _settings("gpu")
-    assert gpu.model == "Qwen/Qwen2.5-1.5B-Instruct" and gpu.backend == "vllm"
+    assert gpu.server.model == "Qwen/Qwen2.5-1.5B-Instruct" and gpu.server.backend == "vllm"
     assert gpu.trainer.dtype == "bfloat16" and gpu.trainer.lora.top_layers is None
     cpu = TrainConfig()
-    assert gpu.tasks_per_iteration > cpu.tasks_per_iteration
-    assert gpu.group_size > cpu.group_size
-    assert gpu.rollout_concurrency > cpu.rollout_concurrency
+    assert gpu.rollouts.tasks_per_iteration > cpu.rollouts.tasks_per_iteration
+    assert gpu.rollouts.group_size > cpu.rollouts.group_size
+    assert gpu.rollouts.rollout_concurrency > cpu.rollouts.rollout_concurrency
     assert gpu.trainer.micro_batch_tokens > cpu.trainer.micro_batch_tokens
     # The demo trainer's other settings stay (nested settings merge key by key).
     assert gpu.trainer.learning_rate == cpu.trainer.learning_rate
@@ -76,12 +76,11 @@ def test_preset_cpu_is_the_defaults_and_no_preset_changes_nothing():
 def test_config_file_and_flags_win_over_the_preset(tmp_path):
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"group_size": 2, "trainer": {"micro_batch_tokens": 1024}}))
-    options = {name: None for name in TrainConfig.model_fields}
-    options |= {"preset": "gpu", "model": "my/model"}
+    options = {"preset": "gpu", "model": "my/model"}
     settings = TrainConfig.model_validate(train_fields(options, config, None))
-    assert settings.model == "my/model" and settings.group_size == 2
+    assert settings.server.model == "my/model" and settings.rollouts.group_size == 2
     assert settings.trainer.micro_batch_tokens == 1024 and settings.trainer.dtype == "bfloat16"
-    assert settings.backend == "vllm"
+    assert settings.server.backend == "vllm"
 
 
 def test_an_unknown_preset_is_a_one_line_error():

@@ -192,7 +192,7 @@ def test_an_agent_key_opens_its_attempts_gateway_and_span_writes_and_nothing_els
 
 def _secret_config() -> TrainConfig:
     return TrainConfig(
-        vllm_url=f"http://llm:{PASSWORD}@gpu-box:8000",
+        server={"vllm_url": f"http://llm:{PASSWORD}@gpu-box:8000"},
         registry=RegistryConfig(
             tracking_uri=f"postgresql://mlflow:{PASSWORD}@db:5432/mlflow?sslpassword={PASSWORD}"
         ),
@@ -207,7 +207,7 @@ def test_mlflow_params_hold_no_password_from_a_url(tmp_path):
     params = MlflowClient(registry.tracking_uri).get_run(run.info.run_id).data.params
     assert not [name for name, value in params.items() if PASSWORD in value]
     # Still readable: where the URL points, with the secret masked.
-    assert params["vllm_url"] == "http://llm:***@gpu-box:8000"
+    assert params["server.vllm_url"] == "http://llm:***@gpu-box:8000"
     assert params["registry.tracking_uri"] == (
         "postgresql://mlflow:***@db:5432/mlflow?sslpassword=***"
     )
@@ -229,7 +229,7 @@ def test_prefect_records_no_password_from_a_url():
     ]
     for parameters in recorded:
         assert PASSWORD not in str(parameters)
-    assert recorded[1]["config"]["vllm_url"] == "http://llm:***@gpu-box:8000"
+    assert recorded[1]["config"]["server"]["vllm_url"] == "http://llm:***@gpu-box:8000"
 
 
 # ---------------------------------------------------------------------------- calculator

@@ -54,21 +54,22 @@ def trained(prefect_harness, tmp_path_factory):
     state = train(
         agent=AGENT,
         tasks=TASKS,
-        model="tiny",
         iterations=2,
-        tasks_per_iteration=3,
-        group_size=4,
-        temperature=1.0,
-        eval_size=3,
-        eval_every=2,
-        rollout_workers=2,
-        rollout_concurrency=3,
         run_dir=str(root / "runs"),
         run_name="pa",
         train_agents=["a", "b"],
         policy_per_agent=True,
         registry=config,
         return_state=True,
+        server={"model": "tiny"},
+        rollouts={
+            "tasks_per_iteration": 3,
+            "group_size": 4,
+            "sampling": {"temperature": 1.0},
+            "rollout_workers": 2,
+            "rollout_concurrency": 3,
+        },
+        evaluation={"eval_size": 3, "eval_every": 2},
     )
     assert state.is_completed(), state.message
     return state.result(), config, root / "runs" / "pa"
@@ -227,10 +228,10 @@ def test_policy_per_agent_needs_the_agents_named(prefect_harness, tmp_path):
         train(
             agent=AGENT,
             tasks=TASKS,
-            model="tiny",
             policy_per_agent=True,
             run_dir=str(tmp_path),
             run_name="unnamed",
+            server={"model": "tiny"},
         )
     # Refused before anything started: no run folder, no policy server.
     assert not (tmp_path / "unnamed").exists()

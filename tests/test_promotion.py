@@ -11,6 +11,7 @@ import pytest
 
 from lightning_core.errors import InvalidInput
 from lightning_core.stats.evaluation import benchmark_id
+from lightning_core.types import Sampling
 from lightning_rl.registry.names import (
     TAG_BENCHMARK_ID,
     TAG_CHAMPION_SCORE,
@@ -158,7 +159,9 @@ def test_the_benchmark_id_is_the_content_and_the_measure():
         benchmark_id(changed_answer, agent="calc:agent", threshold=1.0),  # content
         benchmark_id(_tasks(5), agent="sql:agent", threshold=1.0),  # agent
         benchmark_id(_tasks(5), agent="calc:agent", threshold=0.9),  # success threshold
-        benchmark_id(_tasks(5), agent="calc:agent", threshold=1.0, sampling={"temperature": 1}),
+        benchmark_id(
+            _tasks(5), agent="calc:agent", threshold=1.0, sampling=Sampling(temperature=1)
+        ),
         benchmark_id(_tasks(5), agent="calc:agent", threshold=1.0, max_attempts=1),
     ]
     assert len({base, *different}) == 1 + len(different)

@@ -24,7 +24,7 @@ from lightning_core.feedback import send_feedback
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig
 from tests.conftest import free_port
-from tests.helpers import wait_healthy
+from tests.helpers import train_params, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -68,7 +68,11 @@ def test_scheduled_run_trains_on_new_episodes_from_the_champion(prefect_harness,
     }
     # Week 0: a champion, trained on the agent's tasks.
     week0 = train(
-        **common, iterations=1, tasks_per_iteration=2, group_size=2, eval_every=1, run_name="w0"
+        **train_params(
+            common,
+            {"iterations": 1, "run_name": "w0", "tasks_per_iteration": 2, "group_size": 2},
+            {"eval_every": 1},
+        )
     )
     assert week0["promotion"]["promote"], week0["promotion"]
     pinned = week0["benchmark_id"]
@@ -109,15 +113,17 @@ def test_scheduled_run_trains_on_new_episodes_from_the_champion(prefect_harness,
             send_feedback(url, f"order-{i}", value, source="user", api_key=key)
         send_feedback(url, "order-1", 1.0, source="evaluator", api_key=key)
 
-        params = {
-            **_deployment_parameters("calc-production"),
-            **common,
-            "episodes_from": url,
-            "episodes_key_file": f"{db}.key",
-            "benchmark_id": pinned,
-            "iterations": 2,
-            "eval_every": 2,
-        }
+        params = train_params(
+            _deployment_parameters("calc-production"),
+            common,
+            {
+                "episodes_from": url,
+                "episodes_key_file": f"{db}.key",
+                "benchmark_id": pinned,
+                "iterations": 2,
+                "eval_every": 2,
+            },
+        )
         week1 = train(**params, run_name="w1")
         assert not week1.get("skipped"), week1
         assert week1["data"]["source"] == "episodes" and week1["data"]["rows"] == 4

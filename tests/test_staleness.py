@@ -184,20 +184,21 @@ def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_lear
         summary = train(
             agent="tests.flow_agents:bandit_agent",
             tasks="tests.flow_agents:bandit_tasks",
-            model=str(model),
             iterations=iterations,
-            tasks_per_iteration=8,
-            group_size=8,
-            temperature=1.0,
-            eval_size=4,
-            eval_every=iterations,
-            rollout_workers=2,
-            rollout_concurrency=8,
-            staleness=1,
             trainer={"learning_rate": 1e-2, "lora": {"rank": 8, "alpha": 32}},
             run_dir=str(tmp_path / "runs"),
             run_name="st",
             registry=registry,
+            server={"model": str(model)},
+            rollouts={
+                "tasks_per_iteration": 8,
+                "group_size": 8,
+                "sampling": {"temperature": 1.0},
+                "rollout_workers": 2,
+                "rollout_concurrency": 8,
+                "staleness": 1,
+            },
+            evaluation={"eval_size": 4, "eval_every": iterations},
         )
         with get_client(sync_client=True) as client:
             flow_runs = client.read_flow_runs()

@@ -3,10 +3,11 @@ on a CPU (staleness > 0 on the transformers backend)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from lightning_core.errors import LightningError
 
 
 def passive_openmp(argv: list[str]) -> None:
@@ -32,25 +33,30 @@ def passive_openmp(argv: list[str]) -> None:
 
 
 def _overlap_fields(flags: dict[str, str]) -> dict[str, Any]:
-    """`staleness` and `backend` as the run will have them, read without importing torch. A
-    layer that cannot be read counts as empty: the command itself reports it."""
-    from lightning_rl.flows.presets import PRESETS
-    from lightning_rl.flows.run_state import CONFIG_FILE, DEFAULT_RUN_DIR, run_path
+    """`staleness` and `backend` as the run will have them, from the layers `train` reads
+    (flows/cli/options.py config_layers), without importing torch: by their flat names or in
+    their sections. Layers that cannot be read count as empty: the command itself reports it."""
+    from lightning_rl.flows.cli.options import config_layers, merged_layers
 
-    def read(path: str | Path) -> dict[str, Any]:
-        try:
-            value = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            return {}
-        return value if isinstance(value, dict) else {}
-
-    from_file = read(flags["config"]) if flags.get("config") else {}
-    layers = [PRESETS.get(flags.get("preset", ""), {})]
-    if flags.get("resume"):
-        run_dir = flags.get("run-dir") or from_file.get("run_dir") or DEFAULT_RUN_DIR
-        layers.append(read(run_path(run_dir, flags["resume"]) / CONFIG_FILE))
-    layers += [from_file, {k: v for k, v in flags.items() if k in ("staleness", "backend")}]
+    wanted = ("staleness", "backend", "run_dir", "run_name")
+    given = {k.replace("-", "_"): v for k, v in flags.items() if k.replace("-", "_") in wanted}
+    try:
+        layers = config_layers(
+            given,
+            Path(flags["config"]) if flags.get("config") else None,
+            flags.get("resume") or None,
+            flags.get("preset") or None,
+            strict=False,
+        )
+    except (LightningError, OSError, ValueError):
+        return {}
     fields: dict[str, Any] = {}
-    for layer in layers:
-        fields |= {k: layer[k] for k in ("staleness", "backend") if k in layer}
+    for layer in layers:  # a later layer wins, whether it writes a name flat or in a section
+        merged = merged_layers([layer])
+        for name, section in (("staleness", "rollouts"), ("backend", "server")):
+            inner = merged.get(section)
+            if isinstance(inner, dict) and name in inner:
+                fields[name] = inner[name]
+            elif name in merged:
+                fields[name] = merged[name]
     return fields

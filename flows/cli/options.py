@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -120,14 +121,27 @@ def _command_options() -> list[inspect.Parameter]:
     ]
 
 
+def _leaf(value: Any, where: tuple[str, ...]) -> Any:
+    for name in where:
+        value = getattr(value, name)
+    return value
+
+
 def train_signature() -> inspect.Signature:
-    from lightning_rl.flows.config import TrainConfig
+    """One option per setting: a section's settings (rollouts, server, data, evaluation) by
+    their flat names (`--group-size`, `--model`), the other nested settings as JSON objects."""
+    from lightning_rl.flows.config import SECTIONS, TrainConfig, flat_names
 
     defaults = TrainConfig()
     fields = [
         _field_option(name, field, getattr(defaults, name))
         for name, field in TrainConfig.model_fields.items()
+        if name not in SECTIONS
     ]
+    for flat, where in flat_names().items():
+        *parents, leaf = where
+        owner = type(_leaf(defaults, tuple(parents)))
+        fields.append(_field_option(flat, owner.model_fields[leaf], _leaf(defaults, where)))
     clash = {p.name for p in fields} & {p.name for p in _command_options()}
     assert not clash, f"TrainConfig fields clash with train's own options: {clash}"
     return inspect.Signature([*fields, *_command_options()], return_annotation=None)
@@ -175,16 +189,66 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return value
 
 
+def config_layers(
+    flags: dict[str, Any],
+    config: Path | None,
+    resume: str | None,
+    preset: str | None,
+    group: Callable[[dict[str, Any], Any], dict[str, Any]] = lambda fields, _: fields,
+    strict: bool = True,
+) -> list[dict[str, Any]]:
+    """The layers of a run's settings, lowest first: the --preset (flows/presets.py), the
+    resumed run's config, the --config file, the flags. `group` puts a layer's settings in
+    their sections (`train_fields`); without it the layers are read as written. Not `strict`
+    (OpenMP's early look, flows/cli/openmp.py, which must not import torch), a file that cannot
+    be read is an empty layer: the command itself reports it."""
+
+    def read(path: Path, what: str) -> dict[str, Any]:
+        try:
+            return _read_json(path, what)
+        except LightningError:
+            if strict:
+                raise
+            return {}
+
+    from lightning_rl.flows.presets import preset_fields
+    from lightning_rl.flows.run_state import CONFIG_FILE, DEFAULT_RUN_DIR, check_run_name, run_path
+
+    from_file = group(read(config, "config"), config) if config is not None else {}
+    layers = [from_file, flags]
+    if resume is not None:
+        run_dir = flags.get("run_dir") or from_file.get("run_dir") or DEFAULT_RUN_DIR
+        if flags.get("run_name", resume) != resume:
+            raise LightningError(f"--resume {resume} and --run-name {flags['run_name']} disagree")
+        saved = run_path(run_dir, check_run_name(resume)) / CONFIG_FILE
+        if strict and not saved.is_file():
+            raise LightningError(
+                f"cannot resume {resume}: no {saved} (a run writes it when it starts)"
+            )
+        layers = [group(read(saved, "the config of run"), saved), *layers]
+        layers.append({"run_name": resume, "run_dir": run_dir})
+    if preset is not None:
+        layers = [group(preset_fields(preset), f"preset {preset}"), *layers]
+    return layers
+
+
+def merged_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The layers merged, each over the ones below it, nested objects key by key."""
+    fields: dict[str, Any] = {}
+    for layer in layers:
+        fields = _merged(fields, layer)
+    return fields
+
+
 def train_fields(
     options: dict[str, Any], config: Path | None, resume: str | None
 ) -> dict[str, Any]:
     """TrainConfig's fields from, in the order they win: the defaults, the --preset
-    (`options["preset"]`, flows/presets.py), the resumed run's config, the --config file, the
-    flags. Nested settings merge key by key over the layer below, so
-    `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
-    from lightning_rl.flows.config import TrainConfig
-    from lightning_rl.flows.presets import preset_fields
-    from lightning_rl.flows.run_state import CONFIG_FILE, check_run_name, run_path
+    (`options["preset"]`), the resumed run's config, the --config file, the flags (flat names:
+    `--group-size` is rollouts.group_size). Nested settings merge key by key over the layer
+    below, so `--trainer '{"learning_rate": 1e-4}'` keeps the demo's LoRA."""
+    from lightning_rl.flows.config import TrainConfig, grouped_fields
+    from lightning_rl.flows.run_state import check_run_name
 
     # The preset travels with the flags (so this signature stays) but is no setting itself.
     options = dict(options)
@@ -193,33 +257,17 @@ def train_fields(
     for name, value in options.items():
         if value is None or value == []:
             continue
-        is_model = name in nested_fields()
+        is_model = name in _json_options()
         flags[name] = _json_object(name, value) if is_model else value
-    from_file = _read_json(config, "config") if config is not None else {}
-    layers = [from_file, flags]
-    if resume is not None:
-        run_dir = flags.get("run_dir") or from_file.get("run_dir") or TrainConfig().run_dir
-        if flags.get("run_name", resume) != resume:
-            raise LightningError(f"--resume {resume} and --run-name {flags['run_name']} disagree")
-        saved = run_path(run_dir, check_run_name(resume)) / CONFIG_FILE
-        if not saved.is_file():
-            raise LightningError(
-                f"cannot resume {resume}: no {saved} (a run writes it when it starts)"
-            )
-        layers = [_read_json(saved, "the config of run"), *layers]
-        layers.append({"run_name": resume, "run_dir": run_dir})
-    if preset is not None:
-        layers = [preset_fields(preset), *layers]
-    defaults = TrainConfig().model_dump(mode="json")
-    fields: dict[str, Any] = {}
-    for layer in layers:
-        fields = _merged(fields, layer)
+    flags = grouped_fields(flags)[0]  # flags go by flat names: no notice
+    fields = merged_layers(config_layers(flags, config, resume, preset, _grouped))
     unknown = _unknown_keys(TrainConfig, fields, "")
     if unknown:
         raise LightningError(f"unknown training settings: {', '.join(unknown)}")
     if isinstance(fields.get("run_name"), str):  # one line here, not pydantic's report
         check_run_name(fields["run_name"])
     # Nested settings over TrainConfig's defaults (the demo trainer), not their class's.
+    defaults = TrainConfig().model_dump(mode="json")
     for name in nested_fields():
         if name in fields:
             fields[name] = _merged(defaults[name], fields[name])
@@ -230,3 +278,28 @@ def nested_fields() -> set[str]:
     from lightning_rl.flows.config import nested_models
 
     return set(nested_models())
+
+
+def _json_options() -> set[str]:
+    """The options that take a JSON object: nested settings (--trainer) and a section's nested
+    settings (--offline)."""
+    from lightning_rl.flows.config import SECTIONS, TrainConfig, flat_names
+
+    defaults = TrainConfig()
+    nested = {n for n in nested_fields() if n not in SECTIONS}
+    return nested | {
+        n for n, w in flat_names().items() if isinstance(_leaf(defaults, w), BaseModel)
+    }
+
+
+def _grouped(fields: dict[str, Any], source: Any) -> dict[str, Any]:
+    """A config file's fields in their sections; flat names of earlier releases get a notice."""
+    from lightning_rl.flows.config import flat_names_notice, grouped_fields
+
+    try:
+        grouped, moved = grouped_fields(fields)
+    except ValueError as exc:
+        raise LightningError(f"{source}: {exc}") from exc
+    if moved:
+        typer.secho(f"notice: {source}: {flat_names_notice(moved)}", err=True)
+    return grouped

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from lightning_core.errors import LightningError
+from lightning_core.serving.config import ServerConfig, serve_options
 from lightning_rl.flows.cli.app import app, fail
 from lightning_rl.flows.cli.common import agents_from_cwd, quiet_prefect
 
@@ -123,9 +124,9 @@ def production(
         "LIGHTNING_API_KEY": key,
         "LIGHTNING_MODEL_ALIASES": json.dumps({policy: name, "champion": name}),
     }
-    argv = ["serve", "--host", host, "--port", str(port), "--db", str(store_path)]
-    if model:
-        argv += ["--model", model]
+    options, server_env = serve_options(ServerConfig(host=host, model=model))
+    env.update(server_env)
+    argv = ["serve", *options, "--port", str(port), "--db", str(store_path)]
     if spec.tool_format:
         argv += ["--tool-format", spec.tool_format]
     os.execvpe(sys.executable, [sys.executable, "-m", "lightning_rl.flows.cli", *argv], env)

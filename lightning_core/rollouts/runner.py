@@ -37,7 +37,7 @@ from lightning_core.errors import IllegalTransition, InvalidInput, LightningErro
 from lightning_core.security.keys import agent_key
 from lightning_core.store.base import LightningStore
 from lightning_core.store.client import HttpStoreClient
-from lightning_core.types import AttemptStatus, Claim, LLMEndpoint, Rollout
+from lightning_core.types import AttemptStatus, Claim, LLMEndpoint, Rollout, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -319,17 +319,14 @@ class Runner:
     def endpoint(self, claim: Claim) -> LLMEndpoint:
         """The LLM endpoint of an attempt: the gateway, under the attempt's prefix."""
         rollout, attempt = claim.rollout, claim.attempt
-        sampling = dict(rollout.metadata.get("sampling", {}))
-        if isinstance(sampling.get("seed"), int):
-            # A retry samples anew: the same seed would replay the attempt that failed.
-            sampling["seed"] += (attempt.sequence_id - 1) * 1_000_003
+        sampling = Sampling.model_validate(rollout.metadata.get("sampling") or {})
         return LLMEndpoint(
             base_url=f"{self.gateway_url}/rollouts/{rollout.rollout_id}"
             f"/attempts/{attempt.attempt_id}/v1",
             model=rollout.policy_version or self.config.default_model,
             # A keyless server takes any key; OpenAI's client insists on one.
             api_key=agent_key(self.api_key, attempt.attempt_id) if self.api_key else "lightning",
-            sampling=sampling,
+            sampling=sampling.for_attempt(attempt.sequence_id).as_kwargs(),
         )
 
     async def run(

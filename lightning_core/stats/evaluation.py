@@ -22,12 +22,12 @@ from pydantic import AliasChoices, BaseModel, Field
 
 from lightning_core.rollouts.runner import Runner
 from lightning_core.store.base import LightningStore
-from lightning_core.types import Rollout, RolloutMode, RolloutRequest, RolloutStatus
+from lightning_core.types import Rollout, RolloutMode, RolloutRequest, RolloutStatus, Sampling
 
 Z_95 = 1.959963984540054
 # How evaluation rollouts run: greedy, so the score measures the policy rather than the sampler;
 # a second attempt only for a rollout whose agent failed (not for a wrong answer).
-EVAL_SAMPLING: dict[str, Any] = {"temperature": 0.0}
+EVAL_SAMPLING = Sampling(temperature=0.0)
 EVAL_MAX_ATTEMPTS = 2
 # Hex digits of the benchmark id: 64 bits, short enough for a tag key, far from collisions.
 _BENCHMARK_ID_CHARS = 16
@@ -92,7 +92,7 @@ def benchmark_id(
     *,
     agent: str,
     threshold: float,
-    sampling: Mapping[str, Any] = EVAL_SAMPLING,
+    sampling: Sampling = EVAL_SAMPLING,
     max_attempts: int = EVAL_MAX_ATTEMPTS,
 ) -> str:
     """The id of a benchmark: a hash of its tasks' content and of what defines the measure.
@@ -107,7 +107,7 @@ def benchmark_id(
         "tasks": tasks_digests,
         "agent": agent,
         "success_threshold": float(threshold),
-        "sampling": dict(sampling),
+        "sampling": sampling.as_kwargs(),
         "max_attempts": max_attempts,
     }
     return _digest(spec)[:_BENCHMARK_ID_CHARS]
@@ -149,7 +149,7 @@ def score_rollouts(
 def eval_requests(
     tasks: Sequence[dict[str, Any]],
     policy_version: str,
-    sampling: Mapping[str, Any] = EVAL_SAMPLING,
+    sampling: Sampling = EVAL_SAMPLING,
     max_attempts: int = EVAL_MAX_ATTEMPTS,
 ) -> list[RolloutRequest]:
     """Greedy test-mode rollouts of `tasks` (each a dict with an "id")."""
@@ -160,7 +160,7 @@ def eval_requests(
             mode=RolloutMode.test,
             policy_version=policy_version,
             max_attempts=max_attempts,
-            metadata={"sampling": dict(sampling), "purpose": "evaluation"},
+            metadata={"sampling": sampling.as_kwargs(), "purpose": "evaluation"},
         )
         for task in tasks
     ]
