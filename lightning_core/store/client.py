@@ -14,7 +14,9 @@ refused) is always sent again; one whose answer was lost (the connection dropped
 is sent again only where a repeat cannot do a thing twice: reads, waits, heartbeats, spans
 (stored once per span id), complete/fail/cancel (a repeat is refused as IllegalTransition),
 enqueues (the client names the rollouts, and the store answers a known id with its rollout),
-episodes (opened once per id) and feedback (the same value again is recorded once).
+episodes (opened once per id) and feedback (the same value again is recorded once). Each
+endpoint's method, path and whether it is repeatable come from the store's API table (api.py),
+from which the server's routes are derived too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.errors import LightningError, StoreUnavailable, error_from_answer
 from lightning_core.security.keys import bearer_header
+from lightning_core.store import api
 from lightning_core.store.base import MAX_PAGE_SIZE, NEXT_PAGE_HEADER, AttemptSelector
 from lightning_core.types import (
     Attempt,
@@ -225,21 +228,49 @@ class HttpStoreClient:
         data = orjson.loads(payload) if payload else None
         return (data, following) if paged else data
 
-    async def _query(self, path: str, body: dict[str, Any], limit: int | None = None) -> list[Any]:
+    async def _ask(
+        self,
+        endpoint: api.Endpoint,
+        *path: str,
+        body: Any = None,
+        timeout: float | None = None,
+        retry_s: float | None = None,
+    ) -> Any:
+        """One request to `endpoint` (with these values of its path parameters), its answer
+        read into the endpoint's response model."""
+        data = await self._call(
+            endpoint.method,
+            endpoint.url(*path),
+            body,
+            timeout=timeout,
+            repeatable=endpoint.repeatable,
+            retry_s=retry_s,
+        )
+        if endpoint.wrap is not None:
+            data = data[endpoint.wrap]
+        return endpoint.answer.validate_python(data)
+
+    async def _query(
+        self, endpoint: api.Endpoint, body: dict[str, Any], limit: int | None = None
+    ) -> Any:
         """Every item of a paged query (the first `limit`), page after page (base.PAGE_SIZE)."""
         items: list[Any] = []
         after = None
         while True:
             size = MAX_PAGE_SIZE if limit is None else min(MAX_PAGE_SIZE, limit - len(items))
             page, after = await self._call(
-                "POST", path, {**body, "limit": size, "after": after}, paged=True
+                endpoint.method,
+                endpoint.path,
+                {**body, "limit": size, "after": after},
+                repeatable=endpoint.repeatable,
+                paged=True,
             )
             items += page
             if after is None or (limit is not None and len(items) >= limit):
-                return items
+                return endpoint.answer.validate_python(items)
 
     async def _send_spans(self, spans: list[dict[str, Any]]) -> int:
-        return (await self._call("POST", "/store/spans", {"spans": spans}))["count"]
+        return await self._ask(api.ADD_SPANS, body={"spans": spans})
 
     # ------------------------------------------------------------------ queue
 
@@ -250,45 +281,32 @@ class HttpStoreClient:
             for r in requests
         ]
         body = {"rollouts": [r.model_dump(mode="json") for r in named]}
-        return [
-            Rollout.model_validate(r) for r in await self._call("POST", "/store/rollouts", body)
-        ]
+        return await self._ask(api.ENQUEUE, body=body)
 
     async def enqueue_rollout(self, request: RolloutRequest) -> Rollout:
         return (await self.enqueue_rollouts([request]))[0]
 
     async def dequeue(self, worker_id: str, wait: float = 0.0) -> Claim | None:
         body = {"worker_id": worker_id, "wait": wait}
-        # Not repeated after a lost answer: the store may have made the claim, and a repeat
-        # would claim another rollout while the first waits out unresponsive_timeout_s.
-        data = await self._call("POST", "/store/dequeue", body, timeout=wait + 30, repeatable=False)
-        return Claim.model_validate(data) if data else None
+        return await self._ask(api.DEQUEUE, body=body, timeout=wait + 30)
 
     async def heartbeat(self, attempt_id: str) -> Attempt:
-        data = await self._call("POST", f"/store/attempts/{attempt_id}/heartbeat")
-        return Attempt.model_validate(data)
+        return await self._ask(api.HEARTBEAT, attempt_id)
 
     async def complete_attempt(self, attempt_id: str, reward: float | None = None) -> Rollout:
-        data = await self._call(
-            "POST", f"/store/attempts/{attempt_id}/complete", {"reward": reward}
-        )
-        return Rollout.model_validate(data)
+        return await self._ask(api.COMPLETE, attempt_id, body={"reward": reward})
 
     async def fail_attempt(self, attempt_id: str, error: str, retry: bool = True) -> Rollout:
         body = {"error": error, "retry": retry}
-        return Rollout.model_validate(
-            await self._call("POST", f"/store/attempts/{attempt_id}/fail", body)
-        )
+        return await self._ask(api.FAIL, attempt_id, body=body)
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
-        return Rollout.model_validate(
-            await self._call("POST", f"/store/rollouts/{rollout_id}/cancel")
-        )
+        return await self._ask(api.CANCEL, rollout_id)
 
     # ------------------------------------------------------------------ rollout queries
 
     async def get_rollout(self, rollout_id: str) -> Rollout:
-        return Rollout.model_validate(await self._call("GET", f"/store/rollouts/{rollout_id}"))
+        return await self._ask(api.GET_ROLLOUT, rollout_id)
 
     async def query_rollouts(
         self,
@@ -304,12 +322,10 @@ class HttpStoreClient:
             "mode": RolloutMode(mode).value if mode else None,
             "group_id": group_id,
         }
-        data = await self._query("/store/rollouts/query", body, limit)
-        return [Rollout.model_validate(r) for r in data]
+        return await self._query(api.QUERY_ROLLOUTS, body, limit)
 
     async def query_attempts(self, rollout_id: str) -> list[Attempt]:
-        data = await self._call("GET", f"/store/rollouts/{rollout_id}/attempts")
-        return [Attempt.model_validate(a) for a in data]
+        return await self._ask(api.ATTEMPTS, rollout_id)
 
     async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: float) -> list[Rollout]:
         # The server caps one wait; longer waits are several requests. It counts each id once.
@@ -319,9 +335,9 @@ class HttpStoreClient:
         while True:
             chunk = min(max(deadline - loop.time(), 0.0), 30.0)
             body = {"rollout_ids": ids, "timeout": chunk}
-            data = await self._call("POST", "/store/wait", body, timeout=chunk + 30)
-            if len(data) == len(ids) or loop.time() >= deadline:
-                return [Rollout.model_validate(r) for r in data]
+            done = await self._ask(api.WAIT, body=body, timeout=chunk + 30)
+            if len(done) == len(ids) or loop.time() >= deadline:
+                return done
 
     # ------------------------------------------------------------------ spans
 
@@ -334,14 +350,13 @@ class HttpStoreClient:
         self, rollout_ids: Sequence[str], attempt_id: AttemptSelector = None
     ) -> list[Span]:
         body = {"rollout_ids": list(rollout_ids), "attempt_id": attempt_id}
-        return [Span.model_validate(s) for s in await self._query("/store/spans/query", body)]
+        return await self._query(api.QUERY_SPANS, body)
 
     # ------------------------------------------------------------------ transitions
 
     async def add_transitions(self, transitions: Sequence[Transition]) -> int:
         body = {"transitions": [t.model_dump(mode="json") for t in transitions]}
-        # Not repeated after a lost answer: transitions have no key, a repeat would store twice.
-        return (await self._call("POST", "/store/transitions", body, repeatable=False))["count"]
+        return await self._ask(api.ADD_TRANSITIONS, body=body)
 
     async def query_transitions(
         self,
@@ -352,23 +367,18 @@ class HttpStoreClient:
             "rollout_ids": list(rollout_ids) if rollout_ids is not None else None,
             "policy_version": policy_version,
         }
-        data = await self._query("/store/transitions/query", body)
-        return [Transition.model_validate(t) for t in data]
+        return await self._query(api.QUERY_TRANSITIONS, body)
 
     # ------------------------------------------------------------------ policy versions
 
     async def add_policy_version(self, version: PolicyVersion) -> PolicyVersion:
-        data = await self._call("POST", "/store/policy-versions", version.model_dump(mode="json"))
-        return PolicyVersion.model_validate(data)
+        return await self._ask(api.ADD_POLICY_VERSION, body=version.model_dump(mode="json"))
 
     async def get_policy_version(self, name: str) -> PolicyVersion:
-        return PolicyVersion.model_validate(
-            await self._call("GET", f"/store/policy-versions/{name}")
-        )
+        return await self._ask(api.GET_POLICY_VERSION, name)
 
     async def list_policy_versions(self) -> list[PolicyVersion]:
-        data = await self._call("GET", "/store/policy-versions")
-        return [PolicyVersion.model_validate(v) for v in data]
+        return await self._ask(api.LIST_POLICY_VERSIONS)
 
     # ------------------------------------------------------------------ production episodes
 
@@ -381,19 +391,11 @@ class HttpStoreClient:
     ) -> Attempt:
         body = {"agent_name": agent_name, "policy_version": policy_version}
         body["metadata"] = metadata or {}
-        # Repeatable: a repeat finds the episode the first one opened.
-        data = await self._call("POST", f"/episodes/{_segment(episode_id)}", body)
-        return Attempt.model_validate(data)
+        return await self._ask(api.OPEN_EPISODE, _segment(episode_id), body=body)
 
     async def add_feedback(self, episode_id: str, feedback: FeedbackIn) -> FeedbackReceipt:
-        # Repeatable: the same value again is "unchanged", not a second row. (A repeat after a
-        # lost answer therefore reads "unchanged" where the lost answer said "recorded".)
-        data = await self._call(
-            "POST",
-            f"/episodes/{_segment(episode_id)}/feedback",
-            feedback.model_dump(mode="json"),
-        )
-        return FeedbackReceipt.model_validate(data)
+        body = feedback.model_dump(mode="json")
+        return await self._ask(api.ADD_FEEDBACK, _segment(episode_id), body=body)
 
     async def query_feedback(
         self,
@@ -409,17 +411,16 @@ class HttpStoreClient:
             "through_seq": through_seq,
             "episode_ids": list(episode_ids) if episode_ids is not None else None,
         }
-        data = await self._query("/feedback/query", body)
-        return [Feedback.model_validate(f) for f in data]
+        return await self._query(api.QUERY_FEEDBACK, body)
 
     async def feedback_watermark(self) -> int:
-        return (await self._call("GET", "/feedback/watermark"))["seq"]
+        return await self._ask(api.FEEDBACK_WATERMARK)
 
     async def check(self) -> None:
         """Reach the store once, now: StoreUnavailable (or Unauthorized, for a refused key) at
         once rather than after retry_s. For a command's first call, where an unreachable
         store is a wrong URL, not an outage to wait out."""
-        await self._call("POST", "/store/rollouts/query", {"limit": 1}, retry_s=0)
+        await self._ask(api.QUERY_ROLLOUTS, body={"limit": 1}, retry_s=0)
 
     async def health(self) -> bool:
         try:
