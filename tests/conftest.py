@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -124,6 +127,111 @@ async def make_store(request) -> AsyncIterator[Callable[..., Any]]:
 @pytest.fixture
 async def store(make_store):
     return await make_store()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefectTestServer:
+    """The session's Prefect server (a SubprocessASGIServer) and the database it serves."""
+
+    server: Any
+    database: str
+
+    @property
+    def api_url(self) -> str:
+        return self.server.api_url
+
+
+@pytest.fixture(scope="session")
+def prefect_test_server() -> Iterator[PrefectTestServer]:
+    """One Prefect server (SQLite in a temporary folder) for the whole session, started on first
+    use: each module that ran flows started its own with prefect_test_harness, 30-45 s each on
+    a 2-core machine. Only the server: the settings pointing at it are entered by whoever uses
+    it (use_prefect_server, the `prefect_harness` fixture, prefect_api_env), so that a test
+    which asked for none keeps running without a Prefect API, as before. Tests on it share its
+    flow runs, deployments and events: a test reads back only the ones of its own runs."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+    from prefect.testing.utilities import _find_available_port
+
+    from lightning_rl.flows.prefect_server import flush_to_server
+
+    folder = tempfile.mkdtemp(prefix="prefect-test-")
+    database = f"sqlite+aiosqlite:///{folder}/prefect-test.db"
+    server = SubprocessASGIServer(port=_find_available_port())
+    # The database setting only while the server starts: it reads its settings from the
+    # environment it is started with (SubprocessASGIServer._run_uvicorn_command).
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_CONNECTION_URL: database}):
+        server.start(timeout=120)
+    try:
+        yield PrefectTestServer(server, database)
+    finally:
+        flush_to_server()
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def use_prefect_server(shared: PrefectTestServer) -> Iterator[str]:
+    """Flows run in the block talk to the shared server (prefect_test_server); yields its API URL.
+
+    What prefect_test_harness sets for its own server, set here for the shared one and unset
+    when the block ends: the API and database settings, the process-global settings context
+    (for contexts copied before the block) and the default SubprocessASGIServer (so that Prefect
+    code looking for an ephemeral server finds this one rather than starting another)."""
+    import prefect.context
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.database.dependencies import temporary_database_interface
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_DATABASE_CONNECTION_URL,
+        temporary_settings,
+    )
+
+    from lightning_rl.flows.prefect_server import flush_to_server
+
+    prior_default = SubprocessASGIServer._instances.get(None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(temporary_database_interface())
+        stack.enter_context(
+            temporary_settings(
+                updates={
+                    PREFECT_SERVER_DATABASE_CONNECTION_URL: shared.database,
+                    PREFECT_API_URL: shared.api_url,
+                }
+            )
+        )
+        stack.enter_context(
+            prefect.context._temporary_global_settings_context(
+                prefect.context.get_settings_context()
+            )
+        )
+        SubprocessASGIServer._instances[None] = shared.server
+        try:
+            yield shared.api_url
+        finally:
+            # The block's last logs and events, sent now: Prefect's log and event workers
+            # outlive the block, and would send them on to whichever server comes next.
+            flush_to_server()
+            if prior_default is not None:
+                SubprocessASGIServer._instances[None] = prior_default
+            else:
+                SubprocessASGIServer._instances.pop(None, None)
+
+
+@pytest.fixture(scope="module")
+def prefect_harness(prefect_test_server: PrefectTestServer) -> Iterator[str]:
+    """The shared Prefect server for the rest of the module (its API URL), as the module's own
+    prefect_test_harness was."""
+    with use_prefect_server(prefect_test_server) as url:
+        yield url
+
+
+@pytest.fixture
+def prefect_api_env(prefect_test_server: PrefectTestServer) -> dict[str, str]:
+    """The environment variable that points a child process (`lightning-rl train`, a
+    benchmark) at the shared Prefect server, so that it starts no temporary server of its
+    own (flows/prefect_server.py)."""
+    return {"PREFECT_API_URL": prefect_test_server.api_url}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -30,7 +30,6 @@ from pathlib import Path
 import duckdb
 import pytest
 from prefect import unmapped
-from prefect.testing.utilities import prefect_test_harness
 
 from lightning_rl.flows import iteration as iteration_module
 from lightning_rl.flows import progress
@@ -91,12 +90,6 @@ def test_cluster_workers_get_no_paths_they_cannot_reach(
     assert sent is not None and sent["worker"] == [0, 1]
     assert (sent["key_file"].value, sent["run_dir"].value) == (key_file, run_dir)
     assert parameters["key_file"].value == "run/store.duckdb.key"  # the caller's, untouched
-
-
-@pytest.fixture(scope="module")
-def prefect_harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def _train(root: Path, task_runner: str, address: str | None = None) -> dict:

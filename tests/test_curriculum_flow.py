@@ -9,19 +9,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from lightning_core.rollouts.curriculum import CurriculumConfig
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig
+from tests.conftest import use_prefect_server
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(prefect_test_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("curriculum")
-    with prefect_test_harness(server_startup_timeout=120):
+    with use_prefect_server(prefect_test_server):
         summary = train(
             agent="tests.flow_agents:agent",
             tasks="tests.flow_agents:load_tasks",

@@ -10,7 +10,6 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 from pydantic import ValidationError
 
 from lightning_core.data.task_table import TaskTable
@@ -63,12 +62,6 @@ def test_new_tasks_are_the_files_after_the_previous_complete_run(tmp_path):
 def test_episodes_need_a_production_server():
     with pytest.raises(ValidationError, match="episodes_from"):
         TrainConfig(data="episodes")
-
-
-@pytest.fixture(scope="module")
-def prefect_harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_a_run_with_no_new_tasks_says_why_and_trains_nothing(prefect_harness, tmp_path):

@@ -128,13 +128,12 @@ def test_more_processes_than_transitions_and_clear_errors(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_a_flow_iteration_trains_on_two_processes(tmp_path):
-    from prefect.testing.utilities import prefect_test_harness
-
+def test_a_flow_iteration_trains_on_two_processes(prefect_test_server, tmp_path):
     from lightning_rl.flows.train import train
     from lightning_rl.registry.config import RegistryConfig
+    from tests.conftest import use_prefect_server
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with use_prefect_server(prefect_test_server):
         state = train(
             agent="tests.flow_agents:agent",
             tasks="tests.flow_agents:load_tasks",

@@ -10,7 +10,6 @@ import duckdb
 import httpx
 import pytest
 from mlflow import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
 from lightning_core.data import analytics
@@ -23,12 +22,6 @@ from lightning_rl.tasks.rollouts import rollout_seed
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def prefect_harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture(scope="module")

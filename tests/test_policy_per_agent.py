@@ -14,7 +14,6 @@ import pytest
 import torch
 from mlflow import MlflowClient
 from peft.utils import get_peft_model_state_dict
-from prefect.testing.utilities import prefect_test_harness
 from safetensors.torch import load_file
 
 from lightning_core import semconv
@@ -35,12 +34,6 @@ pytestmark = pytest.mark.timeout(600)
 AGENT = "tests.two_agents:agent"
 TASKS = "tests.two_agents:load_tasks"
 WEIGHTS = "adapter_model.safetensors"
-
-
-@pytest.fixture(scope="module")
-def prefect_harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import openai
 import pytest
 import yaml
 from mlflow import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 
 from lightning_core.feedback import send_feedback
 from lightning_rl.flows.train import train
@@ -42,12 +41,6 @@ def _episodes_trained(run_dir: Path, iteration: int) -> set[str]:
     part = run_dir / "transitions" / f"iteration={iteration}" / "part-0.parquet"
     rows = duckdb.sql(f"SELECT DISTINCT rollout_id FROM '{part}'").fetchall()
     return {r[0] for r in rows}
-
-
-@pytest.fixture(scope="module")
-def prefect_harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_scheduled_run_trains_on_new_episodes_from_the_champion(prefect_harness, tmp_path):

@@ -156,12 +156,13 @@ def _bandit_target(model_dir) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_learns(
-    tmp_path, monkeypatch
+    prefect_test_server, tmp_path, monkeypatch
 ):
     from prefect.client.orchestration import get_client
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     from lightning_rl.flows.train import train
+    from tests.conftest import use_prefect_server
 
     # The tiny model's update takes milliseconds, less than starting a subflow run: slowed to
     # the seconds a real model's takes, so that there is a training interval to overlap.
@@ -180,8 +181,8 @@ def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_lear
         promotion_threshold=0.0,
     )
     iterations = 8
-    with prefect_test_harness(server_startup_timeout=120):
-        summary = train(
+    with use_prefect_server(prefect_test_server):
+        state = train(
             agent="tests.flow_agents:bandit_agent",
             tasks="tests.flow_agents:bandit_tasks",
             iterations=iterations,
@@ -199,16 +200,23 @@ def test_staleness_1_overlaps_rollouts_with_training_slowed_to_4s_and_still_lear
                 "staleness": 1,
             },
             evaluation={"eval_size": 4, "eval_every": iterations},
+            return_state=True,
         )
+        summary = state.result()
+        # The server is shared with other tests' runs: only this run's subflow runs are read.
+        parent = state.state_details.flow_run_id
         with get_client(sync_client=True) as client:
-            flow_runs = client.read_flow_runs()
+            flow_runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])
+                )
+            )
     # Each batch was a subflow run of the train run, like the iterations.
-    parent = next(r for r in flow_runs if r.name == "st")
     names = {r.name: r for r in flow_runs}
     for k in range(1, iterations + 1):
         for child in (names[f"rollouts-{k}"], names[f"iteration-{k}"]):
             assert child.state.is_completed() and child.parent_task_run_id is not None
-            assert child.id != parent.id
+            assert child.id != parent
     run = tmp_path / "runs" / "st"
     checkpoint = json.loads((run / "checkpoint.json").read_text())
     history = {int(m["iteration"]): m for m in checkpoint["history"]}
