@@ -4,8 +4,10 @@ run uninterrupted would: each iteration once in MLflow, the same final adapter, 
 transitions in the Parquet views, one registered version. One uninterrupted run serves as the
 reference of every stage.
 
-Both runs go through the CLI as a user runs them (tiny model, real policy server, Prefect's
-temporary server, MLflow on SQLite)."""
+Both runs go through the CLI as a user runs them (tiny model, real policy server, MLflow on
+SQLite). The killed run and its resumption each run on Prefect's temporary server, whose
+death with the killed flow and whose leases the resumed run frees are part of what is tested;
+the reference run uses the tests' shared Prefect server."""
 
 from __future__ import annotations
 
@@ -177,11 +179,13 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
+def uninterrupted(tmp_path_factory, prefect_test_server) -> Path:
     """The run no kill interrupts, with the same seed: what every resumed run must end as. One
-    for all the rows (a run takes minutes)."""
+    for all the rows (a run takes minutes). Only its adapter and files are compared, so it
+    runs on the tests' shared Prefect server instead of starting a temporary one."""
     tmp = tmp_path_factory.mktemp("whole")
-    _run(["--config", str(_config(tmp, "whole", "resume-whole")), "--run-name", "whole"], _env(tmp))
+    env = {**_env(tmp), "PREFECT_API_URL": prefect_test_server.api_url}
+    _run(["--config", str(_config(tmp, "whole", "resume-whole")), "--run-name", "whole"], env)
     return tmp / "runs" / "whole"
 
 
