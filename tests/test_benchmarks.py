@@ -11,6 +11,7 @@ table and figure lines, with the values its own design guarantees.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -45,14 +46,16 @@ QUICK = (
 FIGURE = re.compile(r"^(\w+): (-?[\d.]+|nan|n/a)\b", re.M)
 
 
-def run_benchmark(name: str, *args: str, timeout: float) -> str:
-    """`python -m benchmarks.NAME ARGS` from the repository root; its stdout, once it exits 0."""
+def run_benchmark(name: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> str:
+    """`python -m benchmarks.NAME ARGS` from the repository root, with `env` added to this
+    process's environment; its stdout, once it exits 0."""
     done = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{name}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n" + (
         done.stdout[-3000:] + "\n--- stderr ---\n" + done.stderr[-3000:]
@@ -162,12 +165,14 @@ def test_sql_greedy_quick():
 
 
 # ---------------------------------------------------------------------------- a training run each
+# Their `lightning-rl train` runs inherit the benchmark's environment: with prefect_api_env
+# they run on the tests' shared Prefect server instead of starting a temporary one each.
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_calc_gain_quick():
-    text = run_benchmark("calc_gain", "--quick", timeout=400)
+def test_calc_gain_quick(prefect_api_env):
+    text = run_benchmark("calc_gain", "--quick", timeout=400, env=prefect_api_env)
     assert re.search(r"^run calc-quick: 4 held-out tasks", text, re.M), text
     assert len(table_rows(text, "tiny-random-llama")) == 1, text
     assert len(table_rows(text, "calc-quick-v1")) == 1, text
@@ -178,8 +183,8 @@ def test_calc_gain_quick():
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_rag_heldout_quick():
-    text = run_benchmark("rag_heldout", "--quick", timeout=400)
+def test_rag_heldout_quick(prefect_api_env):
+    text = run_benchmark("rag_heldout", "--quick", timeout=400, env=prefect_api_env)
     [every] = table_rows(text, "all")
     assert every[1] == "4", text
     # The 4 held-out tasks, each in its hop count's row.
@@ -190,8 +195,8 @@ def test_rag_heldout_quick():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_overlap_quick():
-    text = run_benchmark("overlap", "--quick", timeout=580)
+def test_overlap_quick(prefect_api_env):
+    text = run_benchmark("overlap", "--quick", timeout=580, env=prefect_api_env)
     s0, s1 = table_rows(text, "overlap-s0"), table_rows(text, "overlap-s1")
     assert len(s0) == len(s1) == 1 and (s0[0][1], s1[0][1]) == ("0", "1"), text
     # Staleness 0 never trains on rollouts of an older policy; staleness 1 at most one behind.
@@ -203,8 +208,10 @@ def test_overlap_quick():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ablation_sql_quick(tmp_path):
-    text = run_benchmark("ablation_sql", "--quick", "--run-dir", str(tmp_path), timeout=500)
+def test_ablation_sql_quick(prefect_api_env, tmp_path):
+    text = run_benchmark(
+        "ablation_sql", "--quick", "--run-dir", str(tmp_path), timeout=500, env=prefect_api_env
+    )
     [row] = table_rows(text, "per-agent")
     assert float(row[-1]) > 0, text  # minutes
     # The same run read by sql_greedy's --run, which sorts each policy's held-out queries.

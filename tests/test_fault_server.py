@@ -3,8 +3,8 @@ iteration's rollouts run: the flow restarts it on the same store file and port, 
 gateway serves the current policy version, and the run completes with every planned rollout
 accounted for and its MLflow history whole.
 
-The run goes through the CLI as a user runs it (tiny model, real policy server, Prefect's
-temporary server, MLflow on SQLite); the test finds the server's process and kills it.
+The run goes through the CLI as a user runs it (tiny model, real policy server, the tests'
+shared Prefect server, MLflow on SQLite); the test finds the server's process and kills it.
 """
 
 from __future__ import annotations
@@ -185,12 +185,15 @@ async def test_store_calls_wait_out_a_restart_and_past_max_restarts_fail_clearly
     outcome="restarted on the same store and port with policy v1 served; the run completes; "
     "every planned rollout succeeded or failed after its attempts; MLflow history whole",
 )
-def test_a_policy_server_killed_mid_iteration_is_restarted_and_the_run_completes(tmp_path):
+def test_a_policy_server_killed_mid_iteration_is_restarted_and_the_run_completes(
+    tmp_path, prefect_api_env
+):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LIGHTNING_", "PREFECT_"))}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    # Prefect's temporary server starts within 20 s on an idle machine, not on a busy one.
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
+    # The kill is the policy server's, not Prefect's: the flow runs on the tests' shared
+    # Prefect server rather than starting a temporary one (flows/prefect_server.py).
+    env.update(prefect_api_env)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     config = tmp_path / "config.json"
     registry = {"tracking_uri": uri, "registered_model": "fault-server"}
