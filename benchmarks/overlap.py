@@ -59,7 +59,8 @@ def measure(run: Path) -> dict[str, Any]:
 
     return {
         "run": run.name,
-        "staleness": config.get("staleness", 0),
+        # In its section since issue 26; flat in the config.json of earlier runs.
+        "staleness": config.get("rollouts", {}).get("staleness", config.get("staleness", 0)),
         "wall_min": (done - start) / 60,
         "iterations_min": (last_iteration - base_eval) / 60,
         "base": summary["base"]["score"],
