@@ -36,7 +36,7 @@ def _overlap_fields(flags: dict[str, str]) -> dict[str, Any]:
     """`staleness` and `backend` as the run will have them, from the layers `train` reads
     (flows/cli/options.py config_layers), without importing torch: by their flat names or in
     their sections. Layers that cannot be read count as empty: the command itself reports it."""
-    from lightning_rl.flows.cli.options import config_layers, merged_layers
+    from lightning_rl.flows.cli.options import config_layers
 
     wanted = ("staleness", "backend", "run_dir", "run_name")
     given = {k.replace("-", "_"): v for k, v in flags.items() if k.replace("-", "_") in wanted}
@@ -52,11 +52,10 @@ def _overlap_fields(flags: dict[str, str]) -> dict[str, Any]:
         return {}
     fields: dict[str, Any] = {}
     for layer in layers:  # a later layer wins, whether it writes a name flat or in a section
-        merged = merged_layers([layer])
         for name, section in (("staleness", "rollouts"), ("backend", "server")):
-            inner = merged.get(section)
+            inner = layer.get(section)
             if isinstance(inner, dict) and name in inner:
                 fields[name] = inner[name]
-            elif name in merged:
-                fields[name] = merged[name]
+            elif name in layer:
+                fields[name] = layer[name]
     return fields
