@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from lightning_core.algo.losses import Aggregation
+# How token losses are averaged over a batch (losses.aggregate says how each mode weighs). Here,
+# not in losses.py, so that reading a config never imports torch (the CLI's start, its errors).
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 
 class LoRAConfig(BaseModel):

@@ -29,11 +29,10 @@ optional KL penalty: no ratio, no advantage, every kept token pulled up alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+from lightning_core.algo.config import Aggregation
 
 
 @dataclass
