@@ -268,6 +268,7 @@ async def test_transitions_round_trip(store):
             reward=1.0,
             advantage=0.5,
             policy_version="v1",
+            finish_reason=["stop", "length"][i],
         )
         for i in range(2)
     ]
