@@ -113,7 +113,8 @@ def test_ratio_masking_drops_tokens_outside_one_over_k_to_k():
     out.loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([-math.exp(0.5) / 4, 0.0, 0.0, -0.25])
     plain = policy_loss(logp, torch.zeros(1, 4), torch.ones(1, 4), torch.ones(1, 4), **wide)
-    assert plain.ratio_masked_frac == 0.0 and float(plain.loss.detach()) < float(out.loss.detach()) - 0.5
+    assert plain.ratio_masked_frac == 0.0
+    assert float(plain.loss.detach()) < float(out.loss.detach()) - 0.5
 
 
 def _call(rollout: str, prompt: list[int], response: list[int], adv: float, **extra) -> Transition:
