@@ -12,9 +12,10 @@ from transformers import AutoTokenizer
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.prefix import extends, merge_rows, prefix_breaks
 from lightning_core.algo.trainer import LoRATrainer
-from lightning_core.gateway.chat import encode
+from lightning_core.gateway.chat import encode, render_chat
 from lightning_core.models import tiny_model_dir
 from lightning_core.types import Transition
+from tests.models import TOOL_CALL_TEXT, TOOL_QUESTION, TOOLS
 
 # Two chat templates of the same format; the second, like Qwen3's, keeps only what follows
 # </think> in the assistant turns before the last user message: earlier reasoning is stripped.
@@ -74,6 +75,34 @@ def test_a_template_that_strips_earlier_reasoning_breaks_the_prefix():
     assert not extends(first, second)
     assert merge_rows([first, second]) == [[first], [second]]
     assert prefix_breaks([first, second]) == {"solver": 1}
+
+
+def test_a_tool_call_the_template_renders_again_in_compact_json_breaks_the_prefix():
+    # What the gateway renders for an agent's second call after a tool call: the template writes
+    # the call's arguments again as compact JSON, not the tokens the model generated.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    first = Transition(
+        rollout_id="r0",
+        step=0,
+        prompt_token_ids=encode(tokenizer, render_chat(tokenizer, TOOL_QUESTION, TOOLS)),
+        response_token_ids=[*encode(tokenizer, TOOL_CALL_TEXT), end],
+    )
+    call = {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    messages = [
+        *TOOL_QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": call}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]  # fmt: skip
+    text = render_chat(tokenizer, messages, TOOLS)
+    assert '{"name":"add","arguments":{"a":2,"b":3}}' in text
+    second = first.model_copy(
+        update={"step": 1, "prompt_token_ids": encode(tokenizer, text), "response_token_ids": [5]}
+    )
+    assert not extends(first, second)
+    assert prefix_breaks([first, second]) == {"unnamed": 1}
 
 
 def test_only_consecutive_calls_of_one_agent_in_one_attempt_merge():
