@@ -25,7 +25,9 @@ there). A full run is one demo per arm (about an hour each on 2 cores): run it a
 
 --quick trains each arm (default: default and gspo) as benchmarks/quick_train.py does (the tiny
 random model, one iteration of 2 tasks x 2 rollouts, 4 held-out tasks, about a minute an arm)
-into a temporary folder unless --run-dir is given; its figures are noise.
+into a temporary folder unless --run-dir is given. Its figures are noise: the random model earns
+the same reward in every rollout of a group, so no arm's update has a signal; what it checks is
+that every arm's settings reach its run and the table is read from real run folders.
 """
 
 from __future__ import annotations
