@@ -11,11 +11,18 @@ gradient and the adapter's own FLOPs are negligible), 6 * N with gradient checkp
 more forward). N counts every parameter of the base model, embeddings included (SmolLM2 ties
 them with the output layer, which does run once per token).
 
+Then prefix merging (docs/lightningrl.md): a synthetic multi-turn batch, 8 episodes of 4
+calls of one agent, each call's prompt the previous call's prompt + response + a 32-token tool
+result (first prompt 128 tokens, responses 32), trained with `prefix_merge` on and off from
+the same adapter: the tokens the forward passes cover and the seconds per step of each, and
+`prefix_merge_tokens_saved_frac` and `prefix_merge_step_speedup`.
+
     python benchmarks/train_step.py
     python benchmarks/train_step.py --quick   # the same code in seconds (the tests run it)
 
 --quick: the tiny random model, 4 transitions x 64 tokens, one timed step, the matmul speed
-measured on 512 x 512 matrices; its figures say nothing of SmolLM2's.
+measured on 512 x 512 matrices, and 2 episodes of 3 calls for prefix merging; its figures say
+nothing of SmolLM2's.
 """
 
 from __future__ import annotations
@@ -68,6 +75,69 @@ def batch(rows: int, prompt: int, response: int, vocab: int) -> list[Transition]
     ]
 
 
+def multi_turn_batch(
+    episodes: int, calls: int, prompt: int, response: int, observation: int, vocab: int
+) -> list[Transition]:
+    """Episodes of `calls` calls of one agent, each prompt extending the previous call's prompt
+    + response by an `observation` (a tool result): what prefix merging shares."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for e in range(episodes):
+        context = torch.randint(3, vocab, (prompt,), generator=g).tolist()
+        for step in range(calls):
+            answer = torch.randint(3, vocab, (response,), generator=g).tolist()
+            out.append(
+                Transition(
+                    rollout_id=f"ep-{e}",
+                    step=step,
+                    prompt_token_ids=context,
+                    response_token_ids=answer,
+                    response_logprobs=[-5.0] * response,
+                    advantage=1.0 if e % 2 else -1.0,
+                )
+            )
+            context = (
+                context + answer + torch.randint(3, vocab, (observation,), generator=g).tolist()
+            )
+    return out
+
+
+def seconds_per_step(trainer: LoRATrainer, data: list[Transition], steps: int) -> float:
+    """Mean seconds of `steps` updates (after a warm-up, which the caller runs)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.step(data)
+    return (time.perf_counter() - t0) / steps
+
+
+def prefix_merging(args: argparse.Namespace, episodes: int, calls: int) -> None:
+    """Merged vs separate forward passes on one multi-turn batch."""
+    rows = []
+    for merge in (False, True):
+        trainer = LoRATrainer(
+            TrainerConfig(
+                model=args.model, micro_batch_tokens=args.micro_batch_tokens, prefix_merge=merge
+            )
+        )
+        vocab = trainer.model.get_base_model().config.vocab_size
+        data = multi_turn_batch(episodes, calls, 128, 32, 32, vocab)
+        forward = sum(
+            len(r[-1].prompt_token_ids) + len(r[-1].response_token_ids)
+            for r in trainer._rows(data, merge)
+        )
+        trainer.step(data)  # warm-up
+        rows.append((merge, forward, seconds_per_step(trainer, data, args.steps)))
+    (_, apart, slow), (_, merged, fast) = rows
+    print()
+    print(f"prefix merging: {episodes} episodes x {calls} calls of one agent")
+    print("| prefix_merge | forward tokens | seconds/step |")
+    print("|---|---|---|")
+    for merge, forward, seconds in rows:
+        print(f"| {str(merge).lower()} | {forward} | {seconds:.2f} |")
+    print(f"prefix_merge_tokens_saved_frac: {1 - merged / apart:.3f}")
+    print(f"prefix_merge_step_speedup: {slow / fast:.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -98,10 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.step(data)  # warm-up: allocator, oneDNN kernels, optimizer state
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        trainer.step(data)
-    seconds = (time.perf_counter() - t0) / args.steps
+    seconds = seconds_per_step(trainer, data, args.steps)
     if trainer.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**30
         peak_what = "GPU memory"
@@ -126,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     formula = "6*N" if args.checkpointing else "4*N"
     print(f"MFU = {formula} x tokens/s / matmul FLOP/s, N = {n_params} (base model, frozen)")
     print(f"train_mfu: {mfu:.3f}")
+    prefix_merging(args, *((2, 3) if args.quick else (8, 4)))
 
 
 if __name__ == "__main__":

@@ -299,6 +299,11 @@ class Transition(_Model):
         description="The grammar the response was decoded under (structured outputs); its "
         "logprobs are those of the masked distribution, and training masks the same way.",
     )
+    finish_reason: str | None = Field(
+        None,
+        description="Why the response ended: stop, length (cut at the token limit, which "
+        "overlong filtering leaves out of the loss), tool_calls; None: not recorded.",
+    )
 
 
 class PolicyVersion(_Model):

@@ -59,6 +59,15 @@ def test_one_transition_per_call_with_final_reward_on_the_last():
     assert ts[1].response_logprobs == [-0.5, -0.5] and ts[0].policy_version == "v1"
 
 
+def test_a_transition_carries_its_finish_reason():
+    cut = call([1, 2], [3, 4])
+    cut.attributes[semconv.RESPONSE.format(i=0, key="finish_reason")] = "length"
+    [t] = spans_to_transitions([cut])
+    assert t.finish_reason == "length"
+    [t] = spans_to_transitions([call([1], [2])])
+    assert t.finish_reason is None  # a span from before it was recorded
+
+
 def test_intermediate_rewards_go_to_the_step_they_follow():
     spans = [
         reward(0.25, primary=False),  # before any call: the first step gets it

@@ -84,6 +84,7 @@ def row(rollout: str, **overrides) -> dict:
         "tool_calls": 0,
         "tool_errors": 0,
         "policy_version": "v1",
+        "prefix_break": None,
     }
     return base | overrides
 
@@ -93,6 +94,37 @@ def run(tmp_path):
     analytics.export_iteration(tmp_path, 0, iteration_0())
     analytics.export_iteration(tmp_path, 1, pd.DataFrame([row("r5"), row("r6", step=0)]))
     return tmp_path
+
+
+def test_prefix_breaks_are_a_column_counted_per_agent(tmp_path):
+    # The planner's second call extends its first (prompt + response), its third does not; the
+    # coder's only call has no previous one (NULL).
+    first = call("r1", 0, "planner", 3, 2, 0.0, 0.5)
+    second = first.model_copy(update={"step": 1, "prompt_token_ids": [0, 1, 2, 0, 1, 7]})
+    third = first.model_copy(update={"step": 3, "prompt_token_ids": [0, 1, 2, 9]})
+    coder = call("r1", 2, "coder", 4, 1, 0.0, 0.5)
+    facts = {"r1": RolloutFacts(episode_return=1.0, success=True)}
+    analytics.export_iteration(tmp_path, 0, transition_rows([third, coder, second, first], facts))
+    with analytics.connect(tmp_path, ":memory:") as con:
+        steps = con.execute("SELECT step, prefix_break FROM transitions ORDER BY step").fetchall()
+        per_agent = con.execute(
+            "SELECT agent_name, count(*) FILTER (WHERE prefix_break) FROM transitions "
+            "GROUP BY agent_name ORDER BY agent_name"
+        ).fetchall()
+    assert steps == [(0, None), (1, False), (2, None), (3, True)]
+    assert per_agent == [("coder", 0), ("planner", 1)]
+
+
+def test_an_export_from_before_the_prefix_break_column_still_reads(run):
+    old = pd.read_parquet(run / "transitions" / "iteration=1" / "part-0.parquet")
+    old.drop(columns=["prefix_break", "iteration"]).to_parquet(
+        run / "transitions" / "iteration=1" / "part-0.parquet"
+    )
+    with analytics.connect(run, ":memory:") as con:
+        rows = con.execute(
+            "SELECT iteration, prefix_break FROM transitions WHERE iteration = 1"
+        ).fetchall()
+    assert rows == [(1, None), (1, None)]
 
 
 def test_export_layout_and_schema(run):

@@ -42,6 +42,7 @@ QUICK = (
     "rag_heldout",
     "overlap",
     "ablation_sql",
+    "objectives",
 )
 FIGURE = re.compile(r"^(\w+): (-?[\d.]+|nan|n/a)\b", re.M)
 
@@ -138,6 +139,10 @@ def test_train_step_quick():
     [row] = table_rows(text, "4 x 64")
     assert float(row[2]) > 0, text  # tokens/s
     assert float(figures(text)["train_mfu"]) > 0, text
+    # 2 episodes x 3 calls: merged, each episode is one forward over its last call.
+    apart, merged = table_rows(text, "false"), table_rows(text, "true")
+    assert int(merged[0][1]) < int(apart[0][1]), text
+    assert 0 < float(figures(text)["prefix_merge_tokens_saved_frac"]) < 1, text
 
 
 @pytest.mark.timeout(180)
@@ -221,3 +226,28 @@ def test_ablation_sql_quick(prefect_api_env, tmp_path):
         ("tiny-random-llama", "4"),
         ("ablation-per-agent-v1", "4"),
     ], text
+
+
+def test_every_objectives_arm_is_valid_settings():
+    from benchmarks.objectives import ARMS
+    from lightning_core.algo.config import TrainerConfig
+    from lightning_core.data.collect import CreditConfig
+
+    for arm, sections in ARMS.items():
+        TrainerConfig(**sections.get("trainer", {}))
+        CreditConfig(**sections.get("credit", {}))
+        assert set(sections) <= {"trainer", "credit"}, arm
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_objectives_quick(prefect_api_env, tmp_path):
+    text = run_benchmark(
+        "objectives", "--quick", "--run-dir", str(tmp_path), timeout=580, env=prefect_api_env
+    )
+    rows = table_rows(text, "default") + table_rows(text, "gspo")
+    assert len(rows) == 2 and all(float(r[-1]) > 0 for r in rows), text  # minutes
+    assert "calc_minutes_to_20" in figures(text), text
+    # Each arm ran with its own settings: GSPO's are in its run's config.
+    config = (tmp_path / "objectives-gspo" / "config.json").read_text()
+    assert '"importance_ratio": "sequence"' in config, config

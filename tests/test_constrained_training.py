@@ -66,7 +66,7 @@ def test_the_trainer_reproduces_the_masked_behaviour_logprobs(constrained_sample
     constraint, choices = constrained_sample
     trainer = LoRATrainer(TrainerConfig(model=str(tiny_model_dir())))
     batch = [_transition(constraint, c.token_ids, c.logprobs) for c in choices]
-    x, masked = trainer._tensors(batch)
+    x, masked, _ = trainer._tensors([[t] for t in batch])
     assert len(masked) == len(batch)
     with torch.no_grad():
         logp, _ = trainer._logprobs(x, masked)

@@ -52,7 +52,7 @@ def test_the_first_update_on_fresh_rollouts_is_exactly_on_policy():
     transitions = _fresh_transitions(temperature=0.8)
     assert len(transitions) == 12 and all(t.temperature == 0.8 for t in transitions)
     trainer = LoRATrainer(TrainerConfig(model=str(tiny_model_dir()), learning_rate=1e-3))
-    x, masked = trainer._tensors(transitions)
+    x, masked, _ = trainer._tensors([[t] for t in transitions])
     on = x["mask"].bool()
     with torch.no_grad():
         logp, _ = trainer._logprobs(x, masked)

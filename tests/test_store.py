@@ -268,6 +268,7 @@ async def test_transitions_round_trip(store):
             reward=1.0,
             advantage=0.5,
             policy_version="v1",
+            finish_reason=["stop", "length"][i],
         )
         for i in range(2)
     ]
@@ -358,3 +359,32 @@ async def test_a_store_made_before_the_rename_reads_its_final_reward_as_episode_
     finally:
         await store.close()
     assert rollout.episode_return == 0.75
+
+
+async def test_a_store_made_before_finish_reasons_keeps_its_transitions_and_takes_new_ones(
+    tmp_path,
+):
+    import duckdb
+
+    from lightning_core.store.duckdb_store import DuckDBStore
+
+    db = tmp_path / "old.duckdb"
+    store = DuckDBStore(db=str(db))
+    try:
+        [rollout] = await store.enqueue_rollouts([RolloutRequest(input=0)])
+        old = Transition(
+            rollout_id=rollout.rollout_id, step=0, prompt_token_ids=[1], response_token_ids=[2]
+        )
+        await store.add_transitions([old])
+    finally:
+        await store.close()
+    # The table as a release before the column wrote it.
+    with duckdb.connect(str(db)) as con:
+        con.execute("ALTER TABLE transitions DROP COLUMN finish_reason")
+    store = DuckDBStore(db=str(db))
+    try:
+        new = old.model_copy(update={"step": 1, "finish_reason": "length"})
+        await store.add_transitions([new])
+        assert await store.query_transitions([rollout.rollout_id]) == [old, new]
+    finally:
+        await store.close()

@@ -6,9 +6,17 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-# How token losses are averaged over a batch (losses.aggregate says how each mode weighs). Here,
-# not in losses.py, so that reading a config never imports torch (the CLI's start, its errors).
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+# How token losses are averaged over a batch, and which importance ratio clips (losses.py says
+# how each weighs). Here, not in losses.py, so that reading a config never imports torch (the
+# CLI's start, its errors).
+Aggregation = Literal[
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "rollout-mean",
+]
+ImportanceRatio = Literal["token", "sequence"]
 
 
 class LoRAConfig(BaseModel):
@@ -47,7 +55,38 @@ class TrainerConfig(BaseModel):
     clip_high: float = Field(
         0.28, ge=0, description="PPO clip above 1; larger than clip_low is clip-higher (DAPO)."
     )
-    aggregation: Aggregation = Field("token-mean", description="How token losses are averaged.")
+    aggregation: Aggregation = Field(
+        "token-mean",
+        description="How token losses are averaged (losses.py): token-mean (every token alike), "
+        "seq-mean-token-sum, seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO: "
+        "divided by loss_norm_tokens, not by each call's length), rollout-mean (every rollout "
+        "alike, whatever its number of calls and tokens).",
+    )
+    loss_norm_tokens: int = Field(
+        1024,
+        ge=1,
+        description="The constant C that seq-mean-token-sum-norm divides each call's token sum "
+        "by (Dr. GRPO uses the generation budget); other aggregations ignore it.",
+    )
+    importance_ratio: ImportanceRatio = Field(
+        "token",
+        description="token: PPO's per-token ratio. sequence: GSPO's, the geometric mean of a "
+        "call's token ratios, clipped per call (GSPO clips tightly: clip_low 3e-4, clip_high "
+        "4e-4).",
+    )
+    ratio_mask: float | None = Field(
+        None,
+        gt=1,
+        description="Ratio masking (IcePop-style): response tokens whose ratio to the behaviour "
+        "logprobs lies outside [1/k, k] get no policy-gradient term (the KL penalty stays; "
+        "train/ratio_masked_frac counts them). None: no masking.",
+    )
+    overlong_filter: bool = Field(
+        False,
+        description="Calls cut at their token limit (finish reason 'length') get no loss and "
+        "leave the denominators (DAPO): their reward judges an answer that was never finished "
+        "(train/overlong_frac counts them).",
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
@@ -56,6 +95,13 @@ class TrainerConfig(BaseModel):
         "at the start of the update instead (losses.py). None: PPO-clip directly against the "
         "behaviour logprobs, right for fresh rollouts. The train flow uses 2.0 when staleness "
         "> 0 and this is not set.",
+    )
+    prefix_merge: bool = Field(
+        True,
+        description="Train consecutive calls of one agent whose prompt extends the previous "
+        "call's prompt + response in one forward pass over the last call (prefix.py); each "
+        "call keeps its own advantage, logprobs and weight, so the update is the same, "
+        "computed once for the shared prefix.",
     )
     kl_coef: float = Field(
         0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 to skip it."

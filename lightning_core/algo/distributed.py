@@ -3,9 +3,9 @@
 `train_data_parallel` launches `torchrun --standalone` (on loopback) with K copies of this
 module. Each process builds the same trainer (the previous adapter folder, or a new adapter
 from the same seed, then rank 0's weights broadcast so every copy starts alike), and for each
-update backpropagates its share of the batch with every micro-batch weighted against the WHOLE
-batch's loss total (all its response tokens for token-mean), so that the gradients summed over
-the processes (one all-reduce) are the single-process gradient. Every process then clips and
+update backpropagates its share of the batch with every call weighted against the WHOLE batch
+(trainer.loss_weights: by all its response tokens for token-mean), so that the gradients summed
+over the processes (one all-reduce) are the single-process gradient. Every process then clips and
 steps the same gradient, so the copies stay equal; rank 0 saves the adapter and optimizer state
 with LoRATrainer.save, the same folder a single-process update saves.
 
@@ -33,7 +33,18 @@ from lightning_core.errors import InvalidInput
 from lightning_core.types import Transition
 
 # The metrics' sums, all-reduced in this order.
-_SUMS = ("loss", "kl", "clip_frac", "entropy", "tokens", "all_tokens", "is_ratio", "is_truncated")
+_SUMS = (
+    "loss",
+    "kl",
+    "clip_frac",
+    "entropy",
+    "tokens",
+    "all_tokens",
+    "is_ratio",
+    "is_truncated",
+    "ratio_masked",
+    "forward_tokens",
+)
 # Lines of the processes' output a failure reports.
 _TAIL_LINES = 40
 
@@ -139,12 +150,11 @@ def _update(
     # Checked whole on every rank (each holds the batch): all ranks fail alike, none waits in
     # a collective for one that raised.
     trainer._check(batch, advantage=not likelihood, logprobs=not likelihood)
-    trainer._micro_batches(batch)
+    trainer._rows(batch, merge=False)
     started = time.perf_counter()
     trainer.optimizer.zero_grad(set_to_none=True)
-    # Sorted by length, then dealt: each rank gets a like share of short and long transitions.
-    share = trainer._by_length(batch)[rank::world]
-    sums = trainer.accumulate(share, objective, trainer.loss_total(batch))
+    share = trainer.shares(batch, world)[rank]
+    sums = trainer.accumulate(share, objective, trainer.loss_weights(batch))
     _all_reduce_gradients(trainer)
     grad_norm = trainer.apply_gradients()
     totals = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=trainer.device)
@@ -155,7 +165,7 @@ def _update(
     largest = torch.tensor([sums["is_ratio_max"]], dtype=torch.float64, device=trainer.device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     summed["is_ratio_max"] = float(largest)
-    return trainer.step_metrics(summed, grad_norm, float(seconds))
+    return trainer.step_metrics(summed, grad_norm, float(seconds)) | trainer.batch_metrics(batch)
 
 
 def _rank_main(job: Path) -> int:

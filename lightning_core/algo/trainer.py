@@ -1,11 +1,13 @@
 """The LoRA trainer: one policy-gradient update of a PEFT adapter per batch of transitions.
 
 Each transition is trained as its own single-turn sample (prompt ids -> response ids) with the
-advantage credit assignment gave it: no concatenated multi-turn sequence, no masking of other
-turns. The batch is cut into micro-batches that fit a token budget; their gradients accumulate,
-weighted so that the update equals one over the whole batch; then the gradient is clipped and
-AdamW steps. Each saved version holds the adapter (PEFT format) and the optimizer state, so that
-training resumes exactly where it stopped.
+advantage credit assignment gave it. Calls of one agent whose prompts extend each other share
+one forward pass (prefix.py), each still its own sample: its own advantage, behaviour logprobs
+and weight. The batch is cut into micro-batches of rows that fit a token budget; each call's
+loss is weighted by its share of the whole batch (`sequence_weights`, by the configured
+aggregation), so that the accumulated gradient equals one over the whole batch; then the
+gradient is clipped and AdamW steps. Each saved version holds the adapter (PEFT format) and the
+optimizer state, so that training resumes exactly where it stopped.
 
 Offline data (production episodes, sampled by an earlier policy) trains either by the same
 policy-gradient step, whose ratio to the recorded logprobs corrects for the policy having moved,
@@ -30,13 +32,22 @@ import torch
 
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.constrained import GrammarReplay, MaskedSpan, renormalise
-from lightning_core.algo.losses import entropy_from_logits, k3, likelihood_loss, policy_loss
+from lightning_core.algo.losses import (
+    entropy_from_logits,
+    k3,
+    likelihood_loss,
+    policy_loss,
+    sequence_weights,
+)
+from lightning_core.algo.prefix import merge_rows, prefix_breaks, row_length
 from lightning_core.errors import InvalidInput
 from lightning_core.models import resolve_model
 from lightning_core.security.adapter_folder import AdapterRules, adapter_config
 from lightning_core.types import Transition
 
 STATE_FILE = "trainer_state.pt"
+# The finish reason of a call cut at its token limit (overlong filtering).
+TRUNCATED = "length"
 # The file that marks a folder as one PEFT adapter.
 ADAPTER_CONFIG = "adapter_config.json"
 # policy_gradient: PPO-clip on advantages; likelihood: maximise the responses' log-likelihood.
@@ -151,11 +162,10 @@ class LoRATrainer:
 
     # ------------------------------------------------------------------ batching
 
-    def _micro_batches(self, transitions: Sequence[Transition]) -> list[list[Transition]]:
-        """Consecutive groups whose padded size (rows x longest row) fits the token budget."""
-        batches: list[list[Transition]] = []
-        current: list[Transition] = []
-        longest = 0
+    def _rows(self, transitions: Sequence[Transition], merge: bool) -> list[list[Transition]]:
+        """The transitions as rows of one forward pass each, shortest first (similar lengths
+        together: less padding; the order does not change the summed gradient): chains of
+        calls that extend each other when `merge`, else one call per row."""
         for t in transitions:
             length = len(t.prompt_token_ids) + len(t.response_token_ids)
             if length > self.config.micro_batch_tokens:
@@ -163,49 +173,75 @@ class LoRATrainer:
                     f"a transition of {length} tokens exceeds micro_batch_tokens="
                     f"{self.config.micro_batch_tokens}; raise it"
                 )
+        rows = merge_rows(transitions) if merge else [[t] for t in transitions]
+        return sorted(rows, key=row_length)
+
+    def _micro_batches(self, rows: list[list[Transition]]) -> list[list[list[Transition]]]:
+        """Consecutive groups of rows whose padded size (rows x longest row) fits the token
+        budget."""
+        batches: list[list[list[Transition]]] = []
+        current: list[list[Transition]] = []
+        longest = 0
+        for row in rows:
+            length = row_length(row)
             if current and (len(current) + 1) * max(longest, length) > (
                 self.config.micro_batch_tokens
             ):
                 batches.append(current)
                 current, longest = [], 0
-            current.append(t)
+            current.append(row)
             longest = max(longest, length)
         if current:
             batches.append(current)
         return batches
 
-    def _tensors(self, batch: list[Transition]) -> tuple[dict[str, torch.Tensor], list[MaskedSpan]]:
-        """Right-padded inputs, and per target position: mask, old logprobs, advantage; and the
-        positions of constrained calls with the tokens their grammar allowed."""
-        length = max(len(t.prompt_token_ids) + len(t.response_token_ids) for t in batch)
-        rows = len(batch)
-        ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((rows, length), dtype=torch.long)
+    def _tensors(
+        self, rows: list[list[Transition]], weights: dict[int, float] | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[MaskedSpan], list[tuple[int, int, int]]]:
+        """Right-padded inputs, and per target position: mask, old logprobs, advantage,
+        temperature, the call it belongs to (`segments`) and its loss weight; the positions of
+        constrained calls with the tokens their grammar allowed; and each call's (row, start,
+        end) target positions, in the order of the rows."""
+        length = max(row_length(row) for row in rows)
+        n = len(rows)
+        ids = torch.full((n, length), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, length), dtype=torch.long)
         # Target position j predicts token j + 1. Only positions from the shortest prompt's last
         # token on predict a response token: the per-target tensors start there, and so do the
         # logits, since the LM head over a 49k vocabulary is a large share of a small model's
         # compute and prompts are most of each row.
-        first = min(len(t.prompt_token_ids) for t in batch) - 1
+        first = min(len(row[0].prompt_token_ids) for row in rows) - 1
         width = length - 1 - first
-        mask = torch.zeros((rows, width), dtype=self.dtype)
-        old = torch.zeros((rows, width), dtype=torch.float32)
-        advantage = torch.zeros((rows, width), dtype=torch.float32)
-        masked: list[MaskedSpan] = []
+        mask = torch.zeros((n, width), dtype=self.dtype)
+        old = torch.zeros((n, width), dtype=torch.float32)
+        advantage = torch.zeros((n, width), dtype=torch.float32)
         # Greedy calls report logprobs at T = 1 (backends/base.py), so they train at 1 too.
-        temperature = torch.tensor([t.temperature or 1.0 for t in batch], dtype=torch.float32)
-        for i, t in enumerate(batch):
-            seq = t.prompt_token_ids + t.response_token_ids
+        temperature = torch.ones((n, width), dtype=torch.float32)
+        segments = torch.full((n, width), -1, dtype=torch.long)
+        weight = torch.zeros((n, width), dtype=torch.float32)
+        masked: list[MaskedSpan] = []
+        positions: list[tuple[int, int, int]] = []
+        for i, row in enumerate(rows):
+            seq = row[-1].prompt_token_ids + row[-1].response_token_ids
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
-            start, end = len(t.prompt_token_ids) - 1 - first, len(seq) - 1 - first
-            mask[i, start:end] = 1
-            # Always there for the policy gradient (_check); the likelihood does not need them.
-            if len(t.response_logprobs) == len(t.response_token_ids):
-                old[i, start:end] = torch.tensor(t.response_logprobs, dtype=torch.float32)
-            advantage[i, start:end] = float(t.advantage or 0.0)
-            if t.output_constraint is not None:
-                allowed = self._grammar.allowed(t.output_constraint, t.response_token_ids)
-                masked.append(MaskedSpan(i, start, end, allowed))
+            for t in row:
+                start = len(t.prompt_token_ids) - 1 - first
+                end = start + len(t.response_token_ids)
+                mask[i, start:end] = 1
+                # Always there for the policy gradient (_check); the likelihood does not need
+                # them.
+                if len(t.response_logprobs) == len(t.response_token_ids):
+                    old[i, start:end] = torch.tensor(t.response_logprobs, dtype=torch.float32)
+                advantage[i, start:end] = float(t.advantage or 0.0)
+                temperature[i, start:end] = t.temperature or 1.0
+                segments[i, start:end] = len(positions)
+                if weights is not None:
+                    weight[i, start:end] = weights[id(t)]
+                if t.output_constraint is not None:
+                    allowed = self._grammar.allowed(t.output_constraint, t.response_token_ids)
+                    masked.append(MaskedSpan(i, start, end, allowed))
+                positions.append((i, start, end))
         tensors = {
             "ids": ids,
             "attention": attention,
@@ -213,8 +249,10 @@ class LoRATrainer:
             "old": old,
             "adv": advantage,
             "temperature": temperature,
+            "segments": segments,
+            "weight": weight,
         }
-        return {k: v.to(self.device) for k, v in tensors.items()}, masked
+        return {k: v.to(self.device) for k, v in tensors.items()}, masked, positions
 
     def _logprobs(self, x: dict[str, torch.Tensor], masked: list[MaskedSpan]) -> tuple[Any, Any]:
         """Log-probabilities of the last `width` target tokens of each row (and their logits)
@@ -223,7 +261,7 @@ class LoRATrainer:
         recorded behaviour logprobs, so every importance ratio starts at 1."""
         ids, width = x["ids"], x["mask"].shape[1]
         out = self.model(input_ids=ids, attention_mask=x["attention"], logits_to_keep=width + 1)
-        logits = out.logits[:, :-1].float() / x["temperature"][:, None, None]
+        logits = out.logits[:, :-1].float() / x["temperature"][:, :, None]
         logp = torch.log_softmax(logits, dim=-1)
         targets = ids[:, ids.shape[1] - width :]
         chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -249,35 +287,32 @@ class LoRATrainer:
                     f"token ({len(t.response_logprobs)} for {len(t.response_token_ids)})"
                 )
 
-    @staticmethod
-    def _by_length(transitions: Sequence[Transition]) -> list[Transition]:
-        # Similar lengths together: less padding. The order does not change the summed gradient.
-        return sorted(
-            transitions, key=lambda t: len(t.prompt_token_ids) + len(t.response_token_ids)
-        )
-
     @torch.no_grad()
-    def _current(self, batch: list[Transition]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _current(
+        self, rows: list[list[Transition]]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[tuple[int, int, int]]]:
         """A micro-batch's tensors and the current policy's logprobs of its response tokens, in
-        eval mode (no dropout) and without gradient."""
+        eval mode (no dropout) and without gradient; and each call's positions."""
         training = self.model.training
         self.model.eval()
         try:
-            x, masked = self._tensors(batch)
+            x, masked, positions = self._tensors(rows)
             logp, _ = self._logprobs(x, masked)
         finally:
             self.model.train(training)
-        return x, logp
+        return x, logp, positions
 
     def response_logprobs(self, transitions: Sequence[Transition]) -> list[list[float]]:
         """The current policy's logprob of each response token, per transition in input order
         (tempered and constrained as each call was sampled); no gradient, no update."""
         self._check(transitions, advantage=False, logprobs=False)
         found: dict[int, list[float]] = {}
-        for batch in self._micro_batches(self._by_length(transitions)):
-            x, logp = self._current(batch)
-            for row, t in enumerate(batch):
-                found[id(t)] = logp[row][x["mask"][row].bool()].tolist()
+        rows = self._rows(transitions, self.config.prefix_merge)
+        for batch in self._micro_batches(rows):
+            _, logp, positions = self._current(batch)
+            calls = [t for row in batch for t in row]
+            for t, (i, start, end) in zip(calls, positions, strict=True):
+                found[id(t)] = logp[i, start:end].tolist()
         return [found[id(t)] for t in transitions]
 
     def behaviour_gap(self, transitions: Sequence[Transition]) -> dict[str, float]:
@@ -289,8 +324,8 @@ class LoRATrainer:
         self._check(transitions, advantage=False)
         c = self.config
         kl = outside = tokens = 0.0
-        for batch in self._micro_batches(self._by_length(transitions)):
-            x, logp = self._current(batch)
+        for batch in self._micro_batches(self._rows(transitions, self.config.prefix_merge)):
+            x, logp, _ = self._current(batch)
             mask = x["mask"].float()
             log_ratio = (logp - x["old"]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
             ratio = torch.exp(log_ratio)
@@ -322,37 +357,63 @@ class LoRATrainer:
         self._check(transitions, advantage=not likelihood, logprobs=not likelihood)
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self.accumulate(transitions, objective, self.loss_total(transitions))
+        sums = self.accumulate(transitions, objective, self.loss_weights(transitions))
         grad_norm = self.apply_gradients()
         seconds = time.perf_counter() - started
-        return self.step_metrics(sums, grad_norm, seconds)
+        return self.step_metrics(sums, grad_norm, seconds) | self.batch_metrics(transitions)
 
     # The three parts of step, which a data-parallel update (distributed.py) runs with the
-    # batch's global loss total and all-reduces between accumulate and apply_gradients.
+    # batch's global loss weights and all-reduces between accumulate and apply_gradients.
 
-    def loss_total(self, transitions: Sequence[Transition]) -> int:
-        """What a micro-batch's loss is weighted against: the batch's response tokens for
-        token-mean, else its transitions."""
-        if self.config.aggregation == "token-mean":
-            return sum(len(t.response_token_ids) for t in transitions)
-        return len(transitions)
+    def filtered(self, t: Transition) -> bool:
+        """Whether overlong filtering leaves this call out of the loss."""
+        return self.config.overlong_filter and t.finish_reason == TRUNCATED
+
+    def loss_weights(self, transitions: Sequence[Transition]) -> dict[int, float]:
+        """Each transition's weight (by id) in the loss over the whole batch: the configured
+        aggregation's w_i (losses.sequence_weights), 0 for a call overlong filtering drops."""
+        c = self.config
+        lengths = [0 if self.filtered(t) else len(t.response_token_ids) for t in transitions]
+        found = sequence_weights(
+            lengths, [t.rollout_id for t in transitions], c.aggregation, c.loss_norm_tokens
+        )
+        return {id(t): w for t, w in zip(transitions, found, strict=True)}
+
+    def shares(self, transitions: Sequence[Transition], world: int) -> list[list[Transition]]:
+        """The batch dealt to `world` processes by whole rows (a merged chain stays on one),
+        sorted by length first: each gets a like share of short and long rows."""
+        rows = self._rows(transitions, self.config.prefix_merge)
+        return [[t for row in rows[rank::world] for t in row] for rank in range(world)]
+
+    def batch_metrics(self, transitions: Sequence[Transition]) -> dict[str, float]:
+        """Metrics of the batch as a whole: the share of calls overlong filtering dropped, and
+        per agent the calls whose prompt did not extend the agent's previous call (prefix.py);
+        the same on every process of a data-parallel update."""
+        breaks = prefix_breaks(transitions)
+        metrics = {
+            "train/overlong_frac": sum(map(self.filtered, transitions)) / len(transitions),
+            "train/prefix_breaks": float(sum(breaks.values())),
+        }
+        return metrics | {f"train/prefix_breaks/{a}": float(n) for a, n in breaks.items()}
 
     def accumulate(
-        self, transitions: Sequence[Transition], objective: Objective, total: int
+        self, transitions: Sequence[Transition], objective: Objective, weights: dict[int, float]
     ) -> dict[str, float]:
-        """Backward over the transitions in micro-batches, each loss weighted by its share of
-        `total`, adding to the gradients; the sums the metrics are made of."""
+        """Backward over the transitions in micro-batches, each call's loss weighted by its
+        share of the whole batch (`weights`, from loss_weights), adding to the gradients; the
+        sums the metrics are made of."""
         c = self.config
         likelihood = objective == "likelihood"
-        per_token = c.aggregation == "token-mean"
         self.model.train()
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "tokens": 0.0}
-        sums |= {"is_ratio": 0.0, "is_truncated": 0.0, "is_ratio_max": 0.0}
+        sums |= {"is_ratio": 0.0, "is_truncated": 0.0, "is_ratio_max": 0.0, "ratio_masked": 0.0}
         sums["all_tokens"] = float(
             sum(len(t.prompt_token_ids) + len(t.response_token_ids) for t in transitions)
         )
-        for batch in self._micro_batches(self._by_length(transitions)):
-            x, masked = self._tensors(batch)
+        rows = self._rows(transitions, c.prefix_merge)
+        sums["forward_tokens"] = float(sum(row_length(row) for row in rows))
+        for batch in self._micro_batches(rows):
+            x, masked, _ = self._tensors(batch, weights)
             logp, logits = self._logprobs(x, masked)
             ref = None
             if c.kl_coef:
@@ -360,7 +421,7 @@ class LoRATrainer:
                     ref, _ = self._logprobs(x, masked)
             if likelihood:
                 out = likelihood_loss(
-                    logp, x["mask"], aggregation=c.aggregation, ref_logprobs=ref, kl_coef=c.kl_coef
+                    logp, x["mask"], ref_logprobs=ref, kl_coef=c.kl_coef, weights=x["weight"]
                 )
             else:
                 out = policy_loss(
@@ -370,15 +431,17 @@ class LoRATrainer:
                     x["mask"],
                     clip_low=c.clip_low,
                     clip_high=c.clip_high,
-                    aggregation=c.aggregation,
                     ref_logprobs=ref,
                     kl_coef=c.kl_coef,
                     tis_cap=c.tis_cap,
+                    importance_ratio=c.importance_ratio,
+                    ratio_mask=c.ratio_mask,
+                    weights=x["weight"],
+                    segments=x["segments"],
                 )
             batch_tokens = int(x["mask"].sum())
-            weight = (batch_tokens if per_token else len(batch)) / total
-            (out.loss * weight).backward()
-            sums["loss"] += float(out.loss.detach()) * weight
+            out.loss.backward()
+            sums["loss"] += float(out.loss.detach())
             sums["kl"] += out.kl * batch_tokens
             sums["clip_frac"] += out.clip_frac * batch_tokens
             sums["entropy"] += entropy_from_logits(logits, x["mask"]) * batch_tokens
@@ -386,6 +449,7 @@ class LoRATrainer:
             sums["is_ratio"] += out.ratio_mean * batch_tokens
             sums["is_truncated"] += out.truncated_frac * batch_tokens
             sums["is_ratio_max"] = max(sums["is_ratio_max"], out.ratio_max)
+            sums["ratio_masked"] += out.ratio_masked_frac * batch_tokens
         return sums
 
     def apply_gradients(self) -> float:
@@ -411,6 +475,9 @@ class LoRATrainer:
             "train/is_ratio_mean": sums["is_ratio"] / tokens,
             "train/is_ratio_max": sums["is_ratio_max"],
             "train/is_truncated_frac": sums["is_truncated"] / tokens,
+            "train/ratio_masked_frac": sums["ratio_masked"] / tokens,
+            # What prefix merging saved: the share of the calls' tokens no forward pass computed.
+            "train/forward_tokens_saved_frac": 1.0 - sums["forward_tokens"] / sums["all_tokens"],
         }
 
     # ------------------------------------------------------------------ versions

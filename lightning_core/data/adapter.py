@@ -73,6 +73,7 @@ def _call_transitions(span: Span) -> list[Transition]:
             output_constraint=constraint,
             temperature=a.get("gen_ai.request.temperature", 1.0),
             top_p=a.get("gen_ai.request.top_p", 1.0),
+            finish_reason=a.get(semconv.RESPONSE.format(i=i, key="finish_reason")),
         )
         for i in range(count)
     ]

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lightning_core.algo.prefix import extends
 from lightning_core.data.files import write_atomically
 from lightning_core.errors import DiskFull, InvalidInput, NotFound
 from lightning_core.types import FiniteFloat, Transition
@@ -68,6 +69,14 @@ COLUMNS: tuple[Column, ...] = (
     Column("tool_calls", "INTEGER", pa.int32(), False, "Tool calls made in the rollout."),
     Column("tool_errors", "INTEGER", pa.int32(), False, "Tool calls of the rollout that failed."),
     Column("policy_version", "VARCHAR", pa.string(), True, "Policy version that answered."),
+    Column(
+        "prefix_break",
+        "BOOLEAN",
+        pa.bool_(),
+        True,
+        "The prompt does not extend the previous call of its agent in the attempt, so training "
+        "cannot share that call's forward pass (algo/prefix.py); NULL: the agent's first call.",
+    ),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
 ARROW_SCHEMA = pa.schema([pa.field(c.name, c.arrow_type, nullable=c.nullable) for c in COLUMNS])
@@ -145,9 +154,13 @@ def transition_rows(
                     "reward": 0.0,
                     "advantage": None,
                     "policy_version": f.policy_version,
+                    "prefix_break": None,
                 }
             )
+        previous: dict[tuple[str | None, str | None], Transition] = {}
         for t in sorted(calls, key=lambda t: t.step):
+            before = previous.get((t.attempt_id, t.agent_name))
+            previous[(t.attempt_id, t.agent_name)] = t
             rows.append(
                 shared
                 | {
@@ -159,6 +172,7 @@ def transition_rows(
                     "reward": t.reward,
                     "advantage": t.advantage,
                     "policy_version": t.policy_version or f.policy_version,
+                    "prefix_break": None if before is None else not extends(before, t),
                 }
             )
     return rows
@@ -291,7 +305,8 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
     # read_parquet fails on a glob that matches nothing unless allow_empty, which then yields a
     # lone `empty` column; the union with a typed empty row set keeps the views' columns the same
     # before and after the first export. A view re-reads the glob at every query, so files
-    # exported after connect() show up without reconnecting.
+    # exported after connect() show up without reconnecting. By name: files exported before a
+    # column was added (prefix_break) read it as NULL.
     con.execute(
         f"""
         CREATE OR REPLACE VIEW exported_rows AS
@@ -300,7 +315,7 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
             UNION ALL BY NAME
             SELECT * FROM read_parquet(
                 {glob}, hive_partitioning = true, hive_types = {{'iteration': INTEGER}},
-                allow_empty = true
+                allow_empty = true, union_by_name = true
             )
         )
         """

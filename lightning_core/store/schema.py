@@ -127,6 +127,7 @@ TRANSITIONS = Table(
         ("output_constraint", "JSON"),
         ("temperature", "DOUBLE"),
         ("top_p", "DOUBLE"),
+        ("finish_reason", "VARCHAR"),
     ),
 )
 
@@ -182,6 +183,7 @@ MIGRATIONS = (
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS output_constraint JSON",
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS temperature DOUBLE DEFAULT 1.0",
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS top_p DOUBLE DEFAULT 1.0",
+    "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS finish_reason VARCHAR",
     "ALTER TABLE policy_versions ADD COLUMN IF NOT EXISTS agent_policies JSON DEFAULT '{}'",
 )
 
@@ -293,6 +295,7 @@ def transition_row(t: Transition) -> tuple[Any, ...]:
         _json(t.output_constraint.model_dump()) if t.output_constraint is not None else None,
         t.temperature,
         t.top_p,
+        t.finish_reason,
     )
 
 
