@@ -347,7 +347,7 @@ def test_registering_again_finishes_a_registration_cut_short(config, adapter, mo
 
     with tracking(config, run_id=run.info.run_id):
         with monkeypatch.context() as patch:
-            patch.setattr(versions, "_move_champion", killed)
+            patch.setattr(versions, "move_champion", killed)
             with pytest.raises(ConnectionError):
                 register(config, adapter, "v2", 0.9, iteration=2)
         v2 = client.get_model_version(name, "2").tags
