@@ -1,6 +1,7 @@
 """The Prefect events the registry emits when what is served changes (a promotion, a canary
-ended by the live gate, a rollback), for automations and deployments triggered on them: an
-automation that calls `lightning-rl production`'s reload webhook makes it follow at once."""
+started by register-policy or ended by the live gate, a rollback), for automations and
+deployments triggered on them: an automation that calls `lightning-rl production`'s reload
+webhook makes it follow at once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lightning_rl.registry.promotion import PromotionDecision
 logger = logging.getLogger(__name__)
 
 PROMOTED_EVENT = "lightning.model.promoted"
+CANARY_STARTED_EVENT = "lightning.model.canary-started"
 CANARY_ENDED_EVENT = "lightning.model.canary-ended"
 ROLLED_BACK_EVENT = "lightning.model.rolled-back"
 

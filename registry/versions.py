@@ -45,7 +45,7 @@ from lightning_rl.registry.connection import (
     mlflow_client,
     reachable,
 )
-from lightning_rl.registry.events import emit_promoted
+from lightning_rl.registry.events import CANARY_STARTED_EVENT, emit_promoted, emit_registry_event
 from lightning_rl.registry.history import push_champion
 from lightning_rl.registry.lock import Ticket, promotion_lock
 from lightning_rl.registry.names import (
@@ -327,6 +327,9 @@ def register_policy_version(
             _point_challenger(client, name, version)
             if decision.promote:
                 move_champion(client, name, decision)
+            elif decision.canary:
+                payload = decision.model_dump(mode="json")
+                emit_registry_event(CANARY_STARTED_EVENT, name, version, payload)
         _log(name, decision)
         return decision
 
