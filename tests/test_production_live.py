@@ -169,6 +169,20 @@ class Production:
             time.sleep(0.2)
 
 
+def _routing_is_the_admins_and_checked(production: Production, champion: str) -> None:
+    """What is served changes only with the admin key, only to versions the store has, and
+    a refused routing leaves the served one as it was."""
+    keyless = httpx.put(f"{production.url}/serving/routing", json={"champion": "x"})
+    assert keyless.status_code == 401
+    unknown = production.http.put("/serving/routing", json={"champion": "not-registered"})
+    assert unknown.status_code == 404, unknown.text
+    bad = production.http.put(
+        "/serving/routing", json={"champion": champion, "canary_fraction": 0.5}
+    )
+    assert bad.status_code in (400, 422), bad.text  # a canary without a challenger
+    assert production.routing()["routing"]["champion"] == champion
+
+
 def _promotion_under_traffic(
     production: Production, registry: RegistryConfig, old: str, new: str, version: str
 ) -> float:
@@ -262,6 +276,7 @@ def _closed_loop(root: Path, registry: RegistryConfig, adapter: Path, live: dict
     production = Production(root, registry, live)
     try:
         production.wait_routing(lambda r: r["champion"] == v1, "the first champion")
+        _routing_is_the_admins_and_checked(production, v1)
         swap_s = _promotion_under_traffic(production, registry, v1, v2, "2")
         assert swap_s <= SWAP_DEADLINE_S, swap_s
 

@@ -93,7 +93,8 @@ def production(
                 f"--live takes a JSON object of LiveConfig's fields: {exc}"
             ) from exc
         except ValidationError as exc:
-            raise LightningError(f"invalid --live setting: {exc}") from exc
+            problems = (f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise LightningError(f"invalid --live setting: {'; '.join(problems)}") from exc
         spec = profile(agent, tasks)
         overrides = {"tracking_uri": tracking_uri, "registered_model": registered_model or ""}
         config = resolve(RegistryConfig(**overrides), spec.registered_model)
