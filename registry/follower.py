@@ -92,7 +92,8 @@ class AliasFollower:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=_TIMEOUT_S)
+        # A look in progress ends within its HTTP timeouts; the thread is a daemon anyway.
+        self._thread.join(timeout=10)
         self.http.close()
 
     def _run(self) -> None:

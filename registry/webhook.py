@@ -6,7 +6,8 @@ signed with the shared secret, checked in constant time: MLflow's signature (HMA
 `<delivery id>.<timestamp>.<body>`, base64, prefixed `v1,`, in X-MLflow-Signature; the
 timestamp within `MAX_SKEW_S`, so that a captured delivery cannot be replayed later), or the
 secret itself in X-Lightning-Reload-Secret (what a Prefect automation's webhook block sends).
-Bodies are capped at `MAX_BODY_BYTES` and read within a deadline. Nothing in a delivery is used
+Bodies are capped at `MAX_BODY_BYTES` and read whole within a deadline, by a few handlers
+at a time. Nothing in a delivery is used
 but as a nudge: the version is read from the registry, never taken from the payload, so a
 forged body can at most cause a look.
 """
@@ -35,6 +36,7 @@ RELOAD_SECRET_HEADER = "X-Lightning-Reload-Secret"
 MAX_BODY_BYTES = 64 * 1024
 MAX_SKEW_S = 300.0
 _READ_TIMEOUT_S = 10.0
+_MAX_HANDLERS = 8
 
 
 def mlflow_signature(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
@@ -102,6 +104,19 @@ class ReloadHook:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _body(self, length: int) -> bytes | None:
+                # A deadline on the whole body, not only between bytes: a client trickling
+                # one byte at a time must not hold a handler for long.
+                deadline = time.monotonic() + _READ_TIMEOUT_S
+                chunks: list[bytes] = []
+                while length > 0 and time.monotonic() < deadline:
+                    chunk = self.rfile.read1(min(length, 16384))
+                    if not chunk:
+                        return None
+                    chunks.append(chunk)
+                    length -= len(chunk)
+                return None if length > 0 else b"".join(chunks)
+
             def do_POST(self) -> None:  # http.server's name for it
                 try:
                     length = int(self.headers.get("content-length", ""))
@@ -109,7 +124,14 @@ class ReloadHook:
                     return self._answer(411, "a content-length is required")
                 if not 0 <= length <= MAX_BODY_BYTES:
                     return self._answer(413, f"body over {MAX_BODY_BYTES} bytes")
-                body = self.rfile.read(length)
+                if not hook.handlers.acquire(blocking=False):
+                    return self._answer(503, "busy")
+                try:
+                    body = self._body(length)
+                finally:
+                    hook.handlers.release()
+                if body is None:
+                    return self._answer(408, f"body not sent within {_READ_TIMEOUT_S:g} s")
                 if self.path == MLFLOW_PATH:
                     refused = check_mlflow_delivery(secret, self.headers, body)
                     if refused is not None:
@@ -127,6 +149,8 @@ class ReloadHook:
                 return self._answer(404, "no such hook")
 
         self.nudge = nudge
+        # Deliveries are rare and tiny: a few handlers at once, more are answered 503.
+        self.handlers = threading.BoundedSemaphore(_MAX_HANDLERS)
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self._thread = threading.Thread(

@@ -81,6 +81,7 @@ def production(
     from lightning_rl.flows.policy_server import read_key, write_key_file
     from lightning_rl.flows.profiles import profile
     from lightning_rl.registry.config import RegistryConfig, resolve
+    from lightning_rl.registry.follower import version_name
     from lightning_rl.registry.live_config import LiveConfig
     from lightning_rl.registry.versions import champion_adapter
 
@@ -109,7 +110,7 @@ def production(
                     f"registered model {config.registered_model!r} has no version {policy!r}: "
                     "train one first (lightning-rl train)"
                 )
-            name = f"{config.registered_model}-v{found.version}"
+            name = version_name(config.registered_model, found.version)
             # The adapter beside the store, where it stays as long as episodes name it.
             adapter = store_path.parent / "adapters" / name
             if not adapter.exists():
