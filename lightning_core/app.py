@@ -85,8 +85,8 @@ class ServingState(BaseModel):
 def _serving_router(gateway: Gateway, store: DuckDBStore) -> APIRouter:
     router = APIRouter(tags=["serving"])
 
-    async def state(window: int | None) -> ServingState:
-        feedback = await store.feedback_by_version(window)
+    async def state(window: int | None, since: float | None) -> ServingState:
+        feedback = await store.feedback_by_version(window, since)
         return ServingState(routing=gateway.routing, feedback=feedback)
 
     @router.get("/serving/routing", summary="What champion and challenger serve, and feedback")
@@ -94,13 +94,16 @@ def _serving_router(gateway: Gateway, store: DuckDBStore) -> APIRouter:
         window: int | None = Query(
             None, ge=1, le=1_000_000, description="Newest episodes per version counted."
         ),
+        since: float | None = Query(
+            None, ge=0, description="Only episodes begun at or after this time (epoch seconds)."
+        ),
     ) -> ServingState:
-        return await state(window)
+        return await state(window, since)
 
     @router.put("/serving/routing", summary="Serve other versions as champion and challenger")
     async def put_routing(routing: Routing) -> ServingState:
         await gateway.apply_routing(routing)
-        return await state(None)
+        return await state(None, None)
 
     return router
 

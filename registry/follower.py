@@ -73,6 +73,7 @@ class AliasFollower:
         self.status = ""
         self.swaps: list[Swap] = []
         self._routing: Routing | None = None
+        self._canary_since: float | None = None
         # Policy version name -> registry version, of the versions published on the server.
         self._published: dict[str, str] = {}
         self._wake = threading.Event()
@@ -127,6 +128,9 @@ class AliasFollower:
             canary_fraction=self.live.canary_fraction if canary is not None else 0.0,
             status=self.status,
         )
+        if routing.challenger != (self._routing.challenger if self._routing else None):
+            # A new canary (or, after a restart, the canary as found): compared from now on.
+            self._canary_since = time.time() if routing.challenger is not None else None
         if routing != self._routing:
             self._put(routing)
         return routing
@@ -183,9 +187,13 @@ class AliasFollower:
 
     # --- the live gate and rollback -------------------------------------------------------------
 
-    def feedback(self, window: int) -> dict[str, dict[str, Any]]:
-        """Live feedback per policy version on the server, newest `window` episodes each."""
-        answer = self.http.get("/serving/routing", params={"window": window})
+    def feedback(self, window: int, since: float | None = None) -> dict[str, dict[str, Any]]:
+        """Live feedback per policy version on the server, newest `window` episodes each
+        (begun at or after `since`, if given)."""
+        params: dict[str, Any] = {"window": window}
+        if since is not None:
+            params["since"] = since
+        answer = self.http.get("/serving/routing", params=params)
         _raise_for(answer, "feedback")
         return {row["policy_version"]: row for row in answer.json()["feedback"]}
 
@@ -194,13 +202,15 @@ class AliasFollower:
         routing = self._routing
         if routing is None or routing.challenger is None or routing.champion is None:
             return False
-        stats = self.feedback(self.live.gate.max_episodes)
-        arms = [stats.get(v, {"episodes": 0, "mean": 0.0, "variance": 0.0}) for v in
-                (routing.champion, routing.challenger)]  # fmt: skip
-        decision = live_gate(
-            *((a["episodes"], a["mean"], a["variance"]) for a in arms),  # type: ignore[arg-type]
-            self.live.gate,
+        # Both arms over the same time, the canary's: traffic that drifts would otherwise
+        # compare the challenger's recent episodes with the champion's older ones.
+        stats = self.feedback(self.live.gate.max_episodes, self._canary_since)
+        none = {"episodes": 0, "mean": 0.0, "variance": 0.0}
+        champion, challenger = (
+            (row["episodes"], row["mean"], row["variance"])
+            for row in (stats.get(routing.champion, none), stats.get(routing.challenger, none))
         )
+        decision = live_gate(champion, challenger, self.live.gate)
         self.status = f"live gate on {routing.challenger}: {decision.verdict}: {decision.reason}"
         if decision.verdict == "wait":
             return False

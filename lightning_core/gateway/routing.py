@@ -79,13 +79,13 @@ class Routing(BaseModel):
         if model != CHAMPION or self.champion is None:
             return None
         challenger = self.challenger
-        if challenger is not None and episode_id is not None:
-            return (
-                challenger
-                if in_canary(episode_id, challenger, self.canary_fraction)
-                else (self.champion)
-            )
-        return self.champion
+        if challenger is None or episode_id is None:
+            return self.champion
+        return (
+            challenger
+            if in_canary(episode_id, challenger, self.canary_fraction)
+            else (self.champion)
+        )
 
 
 def in_canary(episode_id: str, challenger: str, fraction: float) -> bool:

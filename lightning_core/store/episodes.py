@@ -239,11 +239,14 @@ class EpisodeStore:
             sql + " ORDER BY episode_id, source", params, limit, ("episode_id", "source")
         )
 
-    async def feedback_by_version(self, window: int | None = None) -> list[VersionFeedback]:
+    async def feedback_by_version(
+        self, window: int | None = None, since: float | None = None
+    ) -> list[VersionFeedback]:
         """Live feedback per serving policy version: each episode with feedback counts once,
         for the version that served its first call, with the mean of its sources' values
         (the `mean` rule of offline.combine); `window`: a version's newest `window` episodes
-        only (by their newest feedback), None: all. Read from the store's memory: no query."""
+        only (by their newest feedback), None: all; `since`: episodes begun at or after that
+        time only (a canary's start). Read from the store's memory: no query."""
         if window is not None and window < 1:
             raise InvalidInput(f"window must be at least 1, not {window}")
         per_episode: dict[str, list[Feedback]] = {}
@@ -253,6 +256,8 @@ class EpisodeStore:
         for episode_id, rows in per_episode.items():
             rollout = self._rollouts.get(episode_rollout_id(episode_id))
             if rollout is None or rollout.policy_version is None:
+                continue
+            if since is not None and (rollout.started_at or 0.0) < since:
                 continue
             value = sum(r.value for r in rows) / len(rows)
             newest = max(r.recorded_at for r in rows)
