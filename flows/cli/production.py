@@ -63,10 +63,11 @@ def production(
     POST /episodes/<id>/feedback. A retraining run (data=episodes) reads both from this server.
     The API key is LIGHTNING_API_KEY, else a new one written to <db>.key (mode 0600).
 
-    While it runs it follows the registered model's champion and challenger aliases: a moved
-    alias is served without a restart, a challenger in canary gets a share of the episodes and
-    the live gate promotes it or ends its canary, and a champion whose live feedback falls
-    below the previous one's is rolled back (see --live).
+    Serving the champion, it follows the registered model's champion and challenger aliases:
+    a moved alias is served without a restart, a challenger in canary gets a share of the
+    episodes and the live gate promotes it or ends its canary, and a champion whose live
+    feedback falls below the previous one's is rolled back (see --live). A pinned --policy is
+    served as it is.
     """
     quiet_prefect()
     import asyncio
@@ -161,7 +162,8 @@ def production(
     if spec.tool_format:
         argv += ["--tool-format", spec.tool_format]
     command = [sys.executable, "-m", "lightning_rl.flows.cli", *argv]
-    if not live_config.follow:
+    if not live_config.follow or policy != "champion":
+        # A pinned version (or another alias) is served as it is: following would replace it.
         os.execvpe(sys.executable, command, env)
     from lightning_rl.flows.cli.live import run_following
 
