@@ -49,6 +49,7 @@ from lightning_rl.registry.events import CANARY_STARTED_EVENT, emit_promoted, em
 from lightning_rl.registry.history import push_champion
 from lightning_rl.registry.lock import Ticket, promotion_lock
 from lightning_rl.registry.names import (
+    CANARY,
     CHALLENGER,
     CHAMPION,
     TAG_BASE_MODEL,
@@ -194,11 +195,19 @@ def move_champion(client: MlflowClient, name: str, decision: PromotionDecision) 
     emit_promoted(name, decision)
 
 
-def _point_challenger(client: MlflowClient, name: str, version: str) -> None:
-    """Alias `challenger` to `version` unless a later version has it: it names the latest."""
+def _point_challenger(
+    client: MlflowClient, name: str, version: str, canary: bool | None = None
+) -> None:
+    """Alias `challenger` to `version` unless a later version has it: it names the latest.
+    Except that a version in canary (tagged so by the live gate's first gate) keeps it against
+    a newer one that is not (`canary` False): a version rejected offline must not end a canary
+    that live traffic is deciding."""
     current = version_by_alias(client, name, CHALLENGER)
-    if current is None or int(current.version) <= int(version):
-        client.set_registered_model_alias(name, CHALLENGER, version)
+    if current is not None and int(current.version) > int(version):
+        return
+    if canary is False and current is not None and current.tags.get(TAG_DECISION) == CANARY:
+        return
+    client.set_registered_model_alias(name, CHALLENGER, version)
 
 
 def _log(name: str, decision: PromotionDecision) -> None:
@@ -324,7 +333,7 @@ def register_policy_version(
             )
             version = str(registered.version)
             decision = decision.model_copy(update={"challenger_version": version})
-            _point_challenger(client, name, version)
+            _point_challenger(client, name, version, decision.canary or decision.promote)
             if decision.promote:
                 move_champion(client, name, decision)
             elif decision.canary:

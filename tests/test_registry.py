@@ -532,12 +532,15 @@ def test_the_live_gate_second_canaries_announces_and_rolls_back_in_one_step(
     assert client.get_model_version(name, "2").tags["promotion.decision"] == "canary"
     v3 = register(live, adapter, "v3", 0.51)  # under the margin: rejected offline
     assert not (v3.promote or v3.canary)
-    assert decide_canary(live, "2", True, "better live") is False  # v3 is the challenger now
+    # ...and it does not end v2's canary, which live traffic is deciding.
+    assert str(client.get_model_version_by_alias(name, CHALLENGER).version) == "2"
     with pytest.raises(NotFound, match="first champion"):
         rollback(live, "nothing before v1")
 
-    # A fourth version's canary promoted by the live gate; then rolled back by hand.
+    # A newer canary replaces v2's; decisions on v2 are then refused. v4's canary is promoted
+    # by the live gate, then rolled back by hand.
     assert register(live, adapter, "v4", 0.7).canary
+    assert decide_canary(live, "2", True, "better live") is False
     assert decide_canary(live, "4", True, "challenger better by +0.3")
     assert str(client.get_model_version_by_alias(name, CHAMPION).version) == "4"
     with pytest.raises(Conflict):
