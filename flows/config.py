@@ -296,10 +296,10 @@ def settings_rows(
             yield prefix + name, json.dumps(to_jsonable_python(current)), description
 
 
-def settings_markdown() -> str:
-    """The settings reference's table of training settings."""
+def settings_markdown(model: type[BaseModel] = TrainConfig) -> str:
+    """The settings reference's table of `model`'s settings (training's, or production's)."""
     lines = ["| setting | default | description |", "|---|---|---|"]
-    for name, default, description in settings_rows():
+    for name, default, description in settings_rows(model):
         cells = [f"`{name}`", f"`{default}`" if default else "", description.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -309,15 +309,25 @@ def settings_markdown() -> str:
 # written by hand.
 SETTINGS_PAGE = "docs/reference/settings.md"
 SETTINGS_START, SETTINGS_END = "<!-- settings:start -->", "<!-- settings:end -->"
+# The production loop's settings (`lightning-rl production --live`), on the same page.
+LIVE_START, LIVE_END = "<!-- live-settings:start -->", "<!-- live-settings:end -->"
+
+
+def _with_table(page: str, start: str, end: str, table: str) -> str:
+    head, found, rest = page.partition(start)
+    _, found_end, tail = rest.partition(end)
+    if not (found and found_end):
+        raise ValueError(f"no {start} ... {end} section")
+    return f"{head}{start}\n{table}{end}{tail}"
 
 
 def with_settings_table(page: str) -> str:
-    """`page` with the text between its settings markers replaced by `settings_markdown()`."""
-    head, found, rest = page.partition(SETTINGS_START)
-    _, found_end, tail = rest.partition(SETTINGS_END)
-    if not (found and found_end):
-        raise ValueError(f"no {SETTINGS_START} ... {SETTINGS_END} section")
-    return f"{head}{SETTINGS_START}\n{settings_markdown()}{SETTINGS_END}{tail}"
+    """`page` with the text between its settings markers replaced by the generated tables of
+    TrainConfig and LiveConfig."""
+    from lightning_rl.registry.live_config import LiveConfig
+
+    page = _with_table(page, SETTINGS_START, SETTINGS_END, settings_markdown())
+    return _with_table(page, LIVE_START, LIVE_END, settings_markdown(LiveConfig))
 
 
 def main(argv: list[str] | None = None) -> None:

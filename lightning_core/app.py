@@ -5,7 +5,9 @@ spans, the gateway serves the policy and records its calls through the store's `
 protocol. Errors on the gateway's paths are answered in the shape of the API that was called
 (OpenAI's, or Anthropic's on /v1/messages), so each official client raises its own error types.
 A new policy version's adapter is loaded on the backend (every replica) before the store
-commits the version (`_publishing`).
+commits the version (`_publishing`). `/serving/routing` shows and replaces what `champion` and
+`challenger` serve (gateway/routing.py), with each version's live feedback from the store: what
+the production loop's alias follower reads and writes.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from lightning_core.errors import LightningError
 from lightning_core.gateway.errors import error_response, is_gateway_path
 from lightning_core.gateway.routes import gateway_router
+from lightning_core.gateway.routing import Routing
 from lightning_core.gateway.service import Gateway
 from lightning_core.serving.http_edge import HttpLimits
 from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.store.episodes import VersionFeedback
 from lightning_core.store.server import OrjsonRoute, Publishing, create_store_app
 from lightning_core.types import PolicyVersion
 
@@ -67,6 +73,41 @@ def _publishing(gateway: Gateway) -> Publishing:
     return publishing
 
 
+class ServingState(BaseModel):
+    """What a production server serves, and how each version does on live feedback."""
+
+    routing: Routing = Field(description="The versions behind champion and challenger.")
+    feedback: list[VersionFeedback] = Field(
+        description="Live feedback per policy version that served episodes (in the window)."
+    )
+
+
+def _serving_router(gateway: Gateway, store: DuckDBStore) -> APIRouter:
+    router = APIRouter(tags=["serving"])
+
+    async def state(window: int | None, since: float | None) -> ServingState:
+        feedback = await store.feedback_by_version(window, since)
+        return ServingState(routing=gateway.routing, feedback=feedback)
+
+    @router.get("/serving/routing", summary="What champion and challenger serve, and feedback")
+    async def get_routing(
+        window: int | None = Query(
+            None, ge=1, le=1_000_000, description="Newest episodes per version counted."
+        ),
+        since: float | None = Query(
+            None, ge=0, description="Only episodes begun at or after this time (epoch seconds)."
+        ),
+    ) -> ServingState:
+        return await state(window, since)
+
+    @router.put("/serving/routing", summary="Serve other versions as champion and challenger")
+    async def put_routing(routing: Routing) -> ServingState:
+        await gateway.apply_routing(routing)
+        return await state(None, None)
+
+    return router
+
+
 def create_app(
     store: DuckDBStore,
     api_key: str | None = None,
@@ -85,7 +126,7 @@ def create_app(
         api_key,
         max_request_bytes,
         close_store,
-        routers=[gateway_router(gateway, route_class=OrjsonRoute)],
+        routers=[gateway_router(gateway, route_class=OrjsonRoute), _serving_router(gateway, store)],
         on_start=getattr(gateway.backend, "start", None),
         on_close=gateway.backend.close,
         error_body=_gateway_error,

@@ -37,6 +37,9 @@ AGENT_METADATA_KEY = "agent_name"
 # answers with the header (with a new id when it captures every call).
 EPISODE_HEADER = "X-Lightning-Episode"
 EPISODE_METADATA_KEY = "episode_id"
+# The header of a gateway answer that names the policy version which answered it (the span's
+# POLICY_VERSION): under a canary or across a hot reload, one version per call.
+POLICY_VERSION_HEADER = "X-Lightning-Policy-Version"
 
 # Spans an agent's code emits with the tracing API.
 TOOL_SPAN = "lightning.tool"

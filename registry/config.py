@@ -40,6 +40,11 @@ class RegistryConfig(BaseModel):
         description="Score the first version needs to become champion when there is none; set "
         "it to the base model's score so that only an adapter that helps gets served.",
     )
+    live_gate: bool = Field(
+        False,
+        description="A version past the offline gate becomes champion only through a canary "
+        "on live traffic (`lightning-rl production` runs the live gate); False: at once.",
+    )
     lock_ttl_s: float = Field(
         300.0,
         gt=0,

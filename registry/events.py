@@ -1,4 +1,7 @@
-"""The Prefect event a promotion emits, for automations and deployments triggered on it."""
+"""The Prefect events the registry emits when what is served changes (a promotion, a canary
+started by register-policy or ended by the live gate, a rollback), for automations and
+deployments triggered on them: an automation that calls `lightning-rl production`'s reload
+webhook makes it follow at once."""
 
 from __future__ import annotations
 
@@ -9,6 +12,9 @@ from lightning_rl.registry.promotion import PromotionDecision
 logger = logging.getLogger(__name__)
 
 PROMOTED_EVENT = "lightning.model.promoted"
+CANARY_STARTED_EVENT = "lightning.model.canary-started"
+CANARY_ENDED_EVENT = "lightning.model.canary-ended"
+ROLLED_BACK_EVENT = "lightning.model.rolled-back"
 
 
 def _should_emit_events() -> bool:
@@ -42,3 +48,25 @@ def emit_promoted(name: str, decision: PromotionDecision) -> None:
         )
     except Exception:
         logger.warning("could not emit %s for %s", PROMOTED_EVENT, name, exc_info=True)
+
+
+def emit_registry_event(event: str, name: str, version: str, payload: dict) -> None:
+    """Emit `event` about version `version` of registered model `name`; best effort, as
+    emit_promoted: the registry has changed already."""
+    try:
+        if not _should_emit_events():
+            return
+        from prefect.events import emit_event
+
+        emit_event(
+            event=event,
+            resource={
+                "prefect.resource.id": f"mlflow.model.{name}.{version}",
+                "prefect.resource.name": f"{name} v{version}",
+                "mlflow.registered_model": name,
+                "mlflow.model_version": str(version),
+            },
+            payload=payload,
+        )
+    except Exception:
+        logger.warning("could not emit %s for %s", event, name, exc_info=True)

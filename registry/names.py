@@ -30,7 +30,18 @@ TAG_DECISION_BENCHMARK = "promotion.benchmark_id"
 # Values of TAG_DECISION, and of the champion tags when there was no champion (or no score).
 PROMOTED = "promoted"
 REJECTED = "rejected"
+# Past the offline gate, with `RegistryConfig.live_gate`: the live gate on canary traffic decides.
+CANARY = "canary"
 NONE = "none"
+
+# Written by the live gate and by rollbacks (registry/live.py, registry/rollback.py).
+TAG_LIVE_DECISION = "live.decision"
+TAG_LIVE_REASON = "live.reason"
+TAG_ROLLBACK_REASON = "rollback.reason"
+# A registered model's tag: the versions that were champion before the current one, oldest
+# first, as JSON (at most CHAMPION_HISTORY_LENGTH): what a rollback returns to.
+TAG_CHAMPION_HISTORY = "champion.history"
+CHAMPION_HISTORY_LENGTH = 20
 
 
 def score_tag(benchmark_id: str) -> str:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lightning_core.errors import InvalidInput
 from lightning_rl.registry.names import (
+    CANARY,
     NONE,
     PROMOTED,
     REJECTED,
@@ -41,6 +42,11 @@ class PromotionDecision(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     promote: bool = Field(description="True: the challenger becomes champion.")
+    canary: bool = Field(
+        False,
+        description="True: past the offline gate, the challenger goes to a canary on live "
+        "traffic, whose gate decides (promote is then False).",
+    )
     reason: str = Field(description="Why, in words, with both scores.")
     challenger_score: float = Field(description="Held-out score of the new version.")
     champion_score: float | None = Field(
@@ -157,7 +163,7 @@ def decision_tags(decision: PromotionDecision) -> dict[str, str]:
     or was not promoted."""
     champion_score = decision.champion_score
     return {
-        TAG_DECISION: PROMOTED if decision.promote else REJECTED,
+        TAG_DECISION: PROMOTED if decision.promote else CANARY if decision.canary else REJECTED,
         TAG_REASON: decision.reason,
         TAG_CHAMPION_SCORE: NONE if champion_score is None else repr(champion_score),
         TAG_CHAMPION_VERSION: decision.champion_version or NONE,
@@ -174,10 +180,11 @@ def recorded_decision(version: str, tags: Mapping[str, str]) -> PromotionDecisio
         champion_version = tags[TAG_CHAMPION_VERSION]
         # Absent from decisions recorded before scores had a benchmark.
         benchmark = tags.get(TAG_DECISION_BENCHMARK, NONE)
-        if decision not in (PROMOTED, REJECTED):
+        if decision not in (PROMOTED, REJECTED, CANARY):
             return None
         return PromotionDecision(
             promote=decision == PROMOTED,
+            canary=decision == CANARY,
             reason=reason,
             challenger_score=score,
             champion_score=None if champion_score == NONE else float(champion_score),
@@ -187,3 +194,18 @@ def recorded_decision(version: str, tags: Mapping[str, str]) -> PromotionDecisio
         )
     except (KeyError, ValueError):
         return None
+
+
+def through_canary(decision: PromotionDecision) -> PromotionDecision:
+    """`decision` with the live gate second: a version past the offline gate that would
+    replace a champion goes to a canary instead; the first champion is promoted at once (there
+    is nothing to compare live traffic with)."""
+    if not decision.promote or decision.champion_version is None:
+        return decision
+    return decision.model_copy(
+        update={
+            "promote": False,
+            "canary": True,
+            "reason": f"{decision.reason}; canary on live traffic, the live gate decides",
+        }
+    )

@@ -45,9 +45,11 @@ from lightning_rl.registry.connection import (
     mlflow_client,
     reachable,
 )
-from lightning_rl.registry.events import emit_promoted
+from lightning_rl.registry.events import CANARY_STARTED_EVENT, emit_promoted, emit_registry_event
+from lightning_rl.registry.history import push_champion
 from lightning_rl.registry.lock import Ticket, promotion_lock
 from lightning_rl.registry.names import (
+    CANARY,
     CHALLENGER,
     CHAMPION,
     TAG_BASE_MODEL,
@@ -66,6 +68,7 @@ from lightning_rl.registry.promotion import (
     decide_version,
     decision_tags,
     recorded_decision,
+    through_canary,
 )
 from lightning_rl.registry.pyfunc import ADAPTER_ARTIFACT, log_adapter_model
 
@@ -130,7 +133,7 @@ def registered_version(
     return min(found, key=lambda v: int(v.version), default=None)
 
 
-def _version_by_alias(client: MlflowClient, name: str, alias: str) -> ModelVersion | None:
+def version_by_alias(client: MlflowClient, name: str, alias: str) -> ModelVersion | None:
     try:
         return client.get_model_version_by_alias(name, alias)
     except MlflowException as e:
@@ -144,7 +147,7 @@ def _version_by_alias(client: MlflowClient, name: str, alias: str) -> ModelVersi
 def _lookup(client: MlflowClient, name: str, ref: str) -> ModelVersion | None:
     """Version `ref` (a number) or the version alias `ref` points at; None if there is none."""
     if not ref.isdigit():
-        return _version_by_alias(client, name, ref)
+        return version_by_alias(client, name, ref)
     try:
         return client.get_model_version(name, ref)
     except MlflowException as e:
@@ -153,7 +156,7 @@ def _lookup(client: MlflowClient, name: str, ref: str) -> ModelVersion | None:
         return None
 
 
-def _lock(client: MlflowClient, config: RegistryConfig) -> AbstractContextManager[Ticket]:
+def registry_lock(client: MlflowClient, config: RegistryConfig) -> AbstractContextManager[Ticket]:
     return promotion_lock(client, config.registered_model, config.lock_ttl_s, config.lock_wait_s)
 
 
@@ -169,9 +172,9 @@ def _decide(
     benchmark_size: int | None,
 ) -> PromotionDecision:
     """The rule on the champion as the registry has it now, and its score on this benchmark."""
-    champion = _version_by_alias(client, config.registered_model, CHAMPION)
+    champion = version_by_alias(client, config.registered_model, CHAMPION)
     # ModelVersion.version is an int from the SQLite store though typed str: normalise.
-    return decide_version(
+    decision = decide_version(
         challenger_version,
         score,
         None if champion is None else str(champion.version),
@@ -181,18 +184,30 @@ def _decide(
         benchmark_id=benchmark_id,
         benchmark_size=benchmark_size,
     )
+    return through_canary(decision) if config.live_gate else decision
 
 
-def _move_champion(client: MlflowClient, name: str, decision: PromotionDecision) -> None:
+def move_champion(client: MlflowClient, name: str, decision: PromotionDecision) -> None:
+    """Point `champion` at the decision's version (under the promotion lock), remembering the
+    one it leaves for a rollback, and tell Prefect."""
+    push_champion(client, name, decision.champion_version)
     client.set_registered_model_alias(name, CHAMPION, str(decision.challenger_version))
     emit_promoted(name, decision)
 
 
-def _point_challenger(client: MlflowClient, name: str, version: str) -> None:
-    """Alias `challenger` to `version` unless a later version has it: it names the latest."""
-    current = _version_by_alias(client, name, CHALLENGER)
-    if current is None or int(current.version) <= int(version):
-        client.set_registered_model_alias(name, CHALLENGER, version)
+def _point_challenger(
+    client: MlflowClient, name: str, version: str, canary: bool | None = None
+) -> None:
+    """Alias `challenger` to `version` unless a later version has it: it names the latest.
+    Except that a version in canary (tagged so by the live gate's first gate) keeps it against
+    a newer one that is not (`canary` False): a version rejected offline must not end a canary
+    that live traffic is deciding."""
+    current = version_by_alias(client, name, CHALLENGER)
+    if current is not None and int(current.version) > int(version):
+        return
+    if canary is False and current is not None and current.tags.get(TAG_DECISION) == CANARY:
+        return
+    client.set_registered_model_alias(name, CHALLENGER, version)
 
 
 def _log(name: str, decision: PromotionDecision) -> None:
@@ -224,7 +239,7 @@ def _gate(client: MlflowClient, config: RegistryConfig, version: ModelVersion) -
     for key, value in decision_tags(decision).items():
         client.set_model_version_tag(name, str(version.version), key, value)
     if decision.promote:
-        _move_champion(client, name, decision)
+        move_champion(client, name, decision)
     _log(name, decision)
     return decision
 
@@ -240,11 +255,11 @@ def _finish(
     if recorded is None:
         return _gate(client, config, version)
     if recorded.promote:
-        champion = _version_by_alias(client, name, CHAMPION)
+        champion = version_by_alias(client, name, CHAMPION)
         # Moved only if it still is where the decision found it: a champion moved since (by a
         # later promotion, or by hand) stays where it is.
         if (None if champion is None else str(champion.version)) == recorded.champion_version:
-            _move_champion(client, name, recorded)
+            move_champion(client, name, recorded)
     logger.info("%s v%s: registered before; %s", name, version.version, recorded.reason)
     return recorded
 
@@ -298,7 +313,7 @@ def register_policy_version(
                     existing.tags.get(TAG_SCORE),
                     score,
                 )
-            with _lock(client, config):
+            with registry_lock(client, config):
                 return _finish(client, config, existing)
         tags = {
             TAG_POLICY_VERSION: policy_version,
@@ -310,7 +325,7 @@ def register_policy_version(
         logged = log_adapter_model(
             adapter, base_model=base_model, tags=tags, step=iteration, run_id=run_id
         )
-        with _lock(client, config) as ticket:
+        with registry_lock(client, config) as ticket:
             decision = _decide(client, config, None, score, benchmark_id, benchmark_size)
             ticket.renew()
             registered = mlflow.register_model(
@@ -318,9 +333,12 @@ def register_policy_version(
             )
             version = str(registered.version)
             decision = decision.model_copy(update={"challenger_version": version})
-            _point_challenger(client, name, version)
+            _point_challenger(client, name, version, decision.canary or decision.promote)
             if decision.promote:
-                _move_champion(client, name, decision)
+                move_champion(client, name, decision)
+            elif decision.canary:
+                payload = decision.model_dump(mode="json")
+                emit_registry_event(CANARY_STARTED_EVENT, name, version, payload)
         _log(name, decision)
         return decision
 
@@ -333,7 +351,10 @@ def promote(config: RegistryConfig, model_version: str | int) -> PromotionDecisi
     emitted; either way the decision, reason and both scores replace those on its tags.
     """
     client = mlflow_client(config)
-    with reachable(client.tracking_uri, f"promoting v{model_version}"), _lock(client, config):
+    with (
+        reachable(client.tracking_uri, f"promoting v{model_version}"),
+        registry_lock(client, config),
+    ):
         candidate = client.get_model_version(config.registered_model, str(model_version))
         return _gate(client, config, candidate)
 

@@ -18,7 +18,7 @@ def register(args: dict[str, Any]) -> None:
     from lightning_rl.registry import versions
     from lightning_rl.registry.config import RegistryConfig
 
-    lock = versions._lock
+    lock = versions.registry_lock
 
     def lock_after_the_others(client: Any, config: RegistryConfig) -> Any:
         barrier = Path(args["barrier"])
@@ -28,7 +28,7 @@ def register(args: dict[str, Any]) -> None:
             time.sleep(0.005)
         return lock(client, config)
 
-    versions._lock = lock_after_the_others
+    versions.registry_lock = lock_after_the_others
     decision = versions.register_policy_version(
         RegistryConfig(**args["config"]),
         args["adapter"],

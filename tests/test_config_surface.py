@@ -195,6 +195,13 @@ def test_the_docs_settings_table_is_the_generated_one():
     for name, model in nested_models().items():
         for field in model.model_fields:
             assert f"`{name}.{field}`" in section
+    # And production's settings (lightning-rl production --live), on the same page.
+    from lightning_rl.flows.config import LIVE_END, LIVE_START
+    from lightning_rl.registry.live_config import LiveConfig
+
+    live = page.split(LIVE_START, 1)[1].split(LIVE_END, 1)[0]
+    assert live.strip() == settings_markdown(LiveConfig).strip(), "stale: --update-docs"
+    assert "`gate.alpha`" in live and "`canary_fraction`" in live
 
 
 def test_a_literal_setting_takes_only_its_choices():

@@ -15,12 +15,13 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 from prefect.events.clients import AssertingEventsClient
 from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Failed
 
-from lightning_core.errors import InvalidInput
+from lightning_core.errors import Conflict, InvalidInput, NotFound
 from lightning_rl.registry import events as registry_events
 from lightning_rl.registry import versions
 from lightning_rl.registry.config import RegistryConfig, resolve
@@ -347,7 +348,7 @@ def test_registering_again_finishes_a_registration_cut_short(config, adapter, mo
 
     with tracking(config, run_id=run.info.run_id):
         with monkeypatch.context() as patch:
-            patch.setattr(versions, "_move_champion", killed)
+            patch.setattr(versions, "move_champion", killed)
             with pytest.raises(ConnectionError):
                 register(config, adapter, "v2", 0.9, iteration=2)
         v2 = client.get_model_version(name, "2").tags
@@ -505,3 +506,55 @@ def test_a_held_lock_fails_a_waiter_clearly_after_its_wait(config):
         with pytest.raises(RegistryBusy, match="taken over"):
             ticket.renew()
     assert lock_tickets(config) == []
+
+
+def test_the_live_gate_second_canaries_announces_and_rolls_back_in_one_step(
+    config, adapter, events
+):
+    """With registry.live_gate, a version past the offline gate goes to a canary (challenger
+    only, tagged canary, an event for automations); the first champion is promoted at once; a
+    rollback returns to the champion before, recorded with its reason and announced."""
+    from lightning_rl.registry.events import (
+        CANARY_ENDED_EVENT,
+        CANARY_STARTED_EVENT,
+        ROLLED_BACK_EVENT,
+    )
+    from lightning_rl.registry.live import decide_canary, rollback
+
+    live = config.model_copy(update={"live_gate": True})
+    name = config.registered_model
+    client = MlflowClient(config.tracking_uri)
+    assert register(live, adapter, "v1", 0.5).promote  # nothing to compare live with yet
+    second = register(live, adapter, "v2", 0.6)
+    assert second.canary and not second.promote and "live gate decides" in second.reason
+    assert str(client.get_model_version_by_alias(name, CHAMPION).version) == "1"
+    assert str(client.get_model_version_by_alias(name, CHALLENGER).version) == "2"
+    assert client.get_model_version(name, "2").tags["promotion.decision"] == "canary"
+    v3 = register(live, adapter, "v3", 0.51)  # under the margin: rejected offline
+    assert not (v3.promote or v3.canary)
+    # ...and it does not end v2's canary, which live traffic is deciding.
+    assert str(client.get_model_version_by_alias(name, CHALLENGER).version) == "2"
+    with pytest.raises(NotFound, match="first champion"):
+        rollback(live, "nothing before v1")
+
+    # A newer canary replaces v2's; decisions on v2 are then refused. v4's canary is promoted
+    # by the live gate, then rolled back by hand.
+    assert register(live, adapter, "v4", 0.7).canary
+    assert decide_canary(live, "2", True, "better live") is False
+    assert decide_canary(live, "4", True, "challenger better by +0.3")
+    assert str(client.get_model_version_by_alias(name, CHAMPION).version) == "4"
+    with pytest.raises(Conflict):
+        rollback(live, "stale decision", expected="1")
+    assert rollback(live, "users report wrong totals", expected="4") == ("4", "1")
+    assert str(client.get_model_version_by_alias(name, CHAMPION).version) == "1"
+    assert (
+        "users report wrong totals" in client.get_model_version(name, "4").tags["rollback.reason"]
+    )
+    assert register(live, adapter, "v5", 0.8).canary
+    assert decide_canary(live, "5", False, "challenger worse by -0.4")
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias(name, CHALLENGER)
+    kinds = [e.event for e in events()]
+    assert kinds.count(CANARY_STARTED_EVENT) == 3
+    assert kinds[-2:] == [CANARY_STARTED_EVENT, CANARY_ENDED_EVENT]
+    assert ROLLED_BACK_EVENT in kinds and kinds.count(PROMOTED_EVENT) == 2

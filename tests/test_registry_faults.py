@@ -49,8 +49,9 @@ class MlflowServer:
     """`mlflow server` on a loopback port, in a process group of its own: killed with SIGKILL,
     started again on the same port and database."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.env = env or {}
         self.port = free_port()
         self.process: subprocess.Popen | None = None
 
@@ -79,7 +80,7 @@ class MlflowServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             # Its background job runner is for GenAI jobs the registry never starts.
-            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env},
         )
         try:
             wait_healthy(self.url, self.process, timeout, "mlflow server")

@@ -12,6 +12,8 @@ commands load Prefect only when they run.
     train.py       lightning-rl train
     evaluate.py    lightning-rl eval
     production.py  lightning-rl production
+    live.py        production's live side: the server as a child, the alias follower beside it
+    registry.py    lightning-rl registry rollback
     openmp.py      OpenMP's wait policy, set before torch loads
 
 Prefect runs without a server (a temporary local one), MLflow writes to ./mlflow.db, the store
@@ -32,7 +34,7 @@ from lightning_rl.flows.cli.openmp import passive_openmp
 
 # Each module adds its commands to `app` when imported; `lightning-rl --help` lists them in
 # this order: serving, then data, then the flows.
-for _module in ("serve", "runner", "data", "train", "evaluate", "production"):
+for _module in ("serve", "runner", "data", "train", "evaluate", "production", "registry"):
     importlib.import_module(f"lightning_rl.flows.cli.{_module}")
 
 __all__ = ["app", "main"]

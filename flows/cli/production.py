@@ -1,5 +1,9 @@
 """`lightning-rl production`: a registered policy served to agents in production, their
-episodes and late feedback kept for retraining (data=episodes)."""
+episodes and late feedback kept for retraining (data=episodes); the served version follows the
+registry's aliases (hot reload, canary, live gate, rollback: registry/follower.py).
+
+The server (`lightning-rl serve`) runs as a child process, without MLflow; this process follows
+the registry beside it and tells it what to serve over its HTTP API, and stops it on exit."""
 
 from __future__ import annotations
 
@@ -41,6 +45,15 @@ def production(
     registered_model: Annotated[
         str | None, typer.Option(help="Registered model (default: the agent profile's).")
     ] = None,
+    live: Annotated[
+        str | None,
+        typer.Option(
+            metavar="JSON",
+            help="Settings of the alias follower, canary, live gate and rollback, LiveConfig's "
+            'fields as a JSON object, e.g. \'{"canary_fraction": 0.2, "webhook_port": 4749}\' '
+            "(also LIGHTNING_LIVE_<FIELD>).",
+        ),
+    ] = None,
 ) -> None:
     """Serve a registered policy (the champion) to agents in production, and keep their episodes.
 
@@ -49,10 +62,18 @@ def production(
     episode's calls are stored with their exact tokens, and feedback arrives later at
     POST /episodes/<id>/feedback. A retraining run (data=episodes) reads both from this server.
     The API key is LIGHTNING_API_KEY, else a new one written to <db>.key (mode 0600).
+
+    Serving the champion, it follows the registered model's champion and challenger aliases:
+    a moved alias is served without a restart, a challenger in canary gets a share of the
+    episodes and the live gate promotes it or ends its canary, and a champion whose live
+    feedback falls below the previous one's is rolled back (see --live). A pinned --policy is
+    served as it is.
     """
     quiet_prefect()
     import asyncio
     import secrets
+
+    from pydantic import ValidationError
 
     from lightning_core.errors import Conflict
     from lightning_core.store.config import StoreConfig
@@ -61,10 +82,21 @@ def production(
     from lightning_rl.flows.policy_server import read_key, write_key_file
     from lightning_rl.flows.profiles import profile
     from lightning_rl.registry.config import RegistryConfig, resolve
+    from lightning_rl.registry.follower import version_name
+    from lightning_rl.registry.live_config import LiveConfig
     from lightning_rl.registry.versions import champion_adapter
 
     agents_from_cwd()
     try:
+        try:
+            live_config = LiveConfig(**(json.loads(live) if live else {}))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise LightningError(
+                f"--live takes a JSON object of LiveConfig's fields: {exc}"
+            ) from exc
+        except ValidationError as exc:
+            problems = (f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise LightningError(f"invalid --live setting: {'; '.join(problems)}") from exc
         spec = profile(agent, tasks)
         overrides = {"tracking_uri": tracking_uri, "registered_model": registered_model or ""}
         config = resolve(RegistryConfig(**overrides), spec.registered_model)
@@ -79,7 +111,7 @@ def production(
                     f"registered model {config.registered_model!r} has no version {policy!r}: "
                     "train one first (lightning-rl train)"
                 )
-            name = f"{config.registered_model}-v{found.version}"
+            name = version_name(config.registered_model, found.version)
             # The adapter beside the store, where it stays as long as episodes name it.
             adapter = store_path.parent / "adapters" / name
             if not adapter.exists():
@@ -129,4 +161,27 @@ def production(
     argv = ["serve", *options, "--port", str(port), "--db", str(store_path)]
     if spec.tool_format:
         argv += ["--tool-format", spec.tool_format]
-    os.execvpe(sys.executable, [sys.executable, "-m", "lightning_rl.flows.cli", *argv], env)
+    command = [sys.executable, "-m", "lightning_rl.flows.cli", *argv]
+    if not live_config.follow or policy != "champion":
+        # A pinned version (or another alias) is served as it is: following would replace it.
+        os.execvpe(sys.executable, command, env)
+    from lightning_rl.flows.cli.live import run_following
+
+    sys.exit(
+        run_following(
+            command,
+            env,
+            server_url=f"http://{_connect_host(host)}:{port}",
+            key=key,
+            registry=config,
+            live=live_config,
+            adapters=store_path.parent / "adapters",
+            base_model=model or "default",
+            bind_host=host,
+        )
+    )
+
+
+def _connect_host(host: str) -> str:
+    """Where this machine reaches a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "", "localhost") else host

@@ -235,7 +235,7 @@ class OpenAIAPI:
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         gateway = self.gateway
         gateway.check_rollout(ctx)
-        adapter = await gateway.adapter_for(req.model, ctx.agent_name)
+        adapter = await gateway.route(req.model, ctx)
         params = req.sampling(
             gateway.max_tokens(req.max_tokens), req.logprobs or 0, req.structured_constraint()
         )

@@ -66,6 +66,9 @@ def _respond(result: dict[str, Any] | AsyncIterator[bytes], ctx: CallContext) ->
     # The episode the call was kept in, so that a client can send feedback on it (and learn
     # the id the gateway gave it, when it captures every call).
     kept = {semconv.EPISODE_HEADER: ctx.episode_id} if ctx.episode_id is not None else {}
+    # The version that answered (one per call, whatever the routing did meanwhile).
+    if ctx.policy_version is not None:
+        kept[semconv.POLICY_VERSION_HEADER] = ctx.policy_version
     if isinstance(result, dict):
         return Response(orjson.dumps(result), media_type="application/json", headers=kept)
     return StreamingResponse(

@@ -44,6 +44,7 @@ from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.gateway import chat as chat_format
 from lightning_core.gateway.limits import CallLimits, CallSlot, chars_per_token
 from lightning_core.gateway.protocol import model_object
+from lightning_core.gateway.routing import Routed
 from lightning_core.gateway.spans import LLMCall, llm_call_span
 from lightning_core.security.adapter_folder import AdapterRules, check_adapter
 from lightning_core.serving.offload import off_loop
@@ -117,6 +118,7 @@ class CallContext:
 
     `episode_id`: the production episode the call is kept in (plain routes only); once the
     episode is open (`Gateway.admit`), `rollout_id` and `attempt_id` are its own.
+    `policy_version`: the version that answers it, once picked (`Gateway.route`).
     """
 
     rollout_id: str | None = None
@@ -124,6 +126,7 @@ class CallContext:
     agent_name: str | None = None
     traceparent: str | None = None
     episode_id: str | None = None
+    policy_version: str | None = None
 
 
 @dataclass
@@ -219,7 +222,7 @@ def held(slot: CallSlot, events: AsyncIterator[T]) -> AsyncIterator[T]:
     return stream
 
 
-class Gateway:
+class Gateway(Routed):
     """Serves a Backend behind client APIs and records rollout calls through a span recorder."""
 
     def __init__(
@@ -315,12 +318,6 @@ class Gateway:
             await self.backend.load_adapter(version.name, folder)
         return True
 
-    def published(self, version: PolicyVersion) -> None:
-        """Note a version the store has just registered: its adapter, loaded already, must not
-        hide its agents' own versions (adapter_for reads the map before the loaded adapters)."""
-        if version.agent_policies:
-            self._agent_policies[version.name] = dict(version.agent_policies)
-
     @staticmethod
     def affinity(ctx: CallContext) -> str | None:
         """A call's routing key (GenerationRequest.affinity): its rollout, whose calls (a
@@ -396,7 +393,7 @@ class Gateway:
 
     async def _prepare(self, call: ChatCall, ctx: CallContext) -> GenerationRequest:
         self.check_rollout(ctx)
-        adapter = await self.adapter_for(call.model, ctx.agent_name)
+        adapter = await self.route(call.model, ctx)
         request = GenerationRequest(
             prompt_token_ids=await off_loop(self._chat_prompt, call),
             params=call.params,

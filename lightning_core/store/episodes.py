@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from pydantic import BaseModel, Field
 
 from lightning_core.errors import Conflict, InvalidInput, NotFound
 from lightning_core.store import schema
@@ -38,6 +39,16 @@ from lightning_core.types import (
 
 if TYPE_CHECKING:
     from lightning_core.store.worker import DatabaseWorker
+
+
+class VersionFeedback(BaseModel):
+    """The live feedback of one serving policy version (EpisodeStore.feedback_by_version)."""
+
+    policy_version: str = Field(description="The version that served the episodes.")
+    episodes: int = Field(description="Episodes with feedback it served (in the window).")
+    mean: float = Field(description="Mean of their feedback values.")
+    variance: float = Field(description="Sample variance of their values (n - 1; 0 for one).")
+
 
 # The worker id of every production episode's attempt: no runner claims it.
 PRODUCTION_WORKER = "production"
@@ -227,6 +238,43 @@ class EpisodeStore:
         return await self._page(
             sql + " ORDER BY episode_id, source", params, limit, ("episode_id", "source")
         )
+
+    async def feedback_by_version(
+        self, window: int | None = None, since: float | None = None
+    ) -> list[VersionFeedback]:
+        """Live feedback per serving policy version: each episode with feedback counts once,
+        for the version that served its first call, with the mean of its sources' values
+        (the `mean` rule of offline.combine); `window`: a version's newest `window` episodes
+        only (by their newest feedback), None: all; `since`: episodes begun at or after that
+        time only (a canary's start). Read from the store's memory: no query."""
+        if window is not None and window < 1:
+            raise InvalidInput(f"window must be at least 1, not {window}")
+        per_episode: dict[str, list[Feedback]] = {}
+        for (episode_id, _source), (row, _written) in self._feedback.items():
+            per_episode.setdefault(episode_id, []).append(row)
+        per_version: dict[str, list[tuple[float, float]]] = {}
+        for episode_id, rows in per_episode.items():
+            rollout = self._rollouts.get(episode_rollout_id(episode_id))
+            if rollout is None or rollout.policy_version is None:
+                continue
+            if since is not None and (rollout.started_at or 0.0) < since:
+                continue
+            value = sum(r.value for r in rows) / len(rows)
+            newest = max(r.recorded_at for r in rows)
+            per_version.setdefault(rollout.policy_version, []).append((newest, value))
+        await self._sync()
+        answer = []
+        for version, items in sorted(per_version.items()):
+            items.sort(reverse=True)
+            values = [v for _, v in items[:window]]
+            mean = sum(values) / len(values)
+            variance = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+            answer.append(
+                VersionFeedback(
+                    policy_version=version, episodes=len(values), mean=mean, variance=variance
+                )
+            )
+        return answer
 
     async def feedback_watermark(self) -> int:
         """The highest feedback seq recorded, 0 when none: the end of the next read window."""
