@@ -1,4 +1,5 @@
-"""Commands on a store and its data: `status`, `analyze`, `data add-tasks`, `data show`."""
+"""Commands on a store and its data: `status`, `analyze`, `data add-tasks`, `data show`,
+`data archive`."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def analyze(
 
 data_app = typer.Typer(
     name="data",
-    help="Task tables: folders of Parquet files that training reads new tasks from.",
+    help="Task tables (folders of Parquet files that training reads new tasks from) and the "
+    "archive of old production episodes.",
     no_args_is_help=True,
 )
 app.add_typer(data_app)
@@ -161,6 +163,61 @@ def show(
     typer.echo(f"{'total':<{width}} {whole.rows:>8}")
     typer.echo(f"dataset id {whole.dataset_id}")
     typer.echo(f"content hash {whole.content_hash}")
+
+
+@data_app.command("archive")
+def archive(
+    server: Annotated[
+        str, typer.Option(help="Root URL of the running store (`serve` or `production`).")
+    ] = "http://127.0.0.1:4748",
+    older_than_days: Annotated[
+        float | None,
+        typer.Option(
+            help="Archive production episodes with no call and no feedback for this many "
+            "days; default: the server's retention_days."
+        ),
+    ] = None,
+    max_episodes: Annotated[
+        int | None, typer.Option(help="Archive at most this many, the oldest first.")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LIGHTNING_API_KEY", help="The server's API key.")
+    ] = None,
+    key_file: Annotated[
+        str | None, typer.Option(help="A file holding the key (`production` writes <db>.key).")
+    ] = None,
+) -> None:
+    """Move idle production episodes and their feedback from the store to its Parquet archive."""
+    import asyncio
+
+    from lightning_core.store.client import HttpStoreClient
+    from lightning_rl.flows.policy_server import read_key
+
+    if older_than_days is not None and older_than_days <= 0:
+        fail(InvalidInput(f"--older-than-days must be > 0, got {older_than_days}"))
+    if max_episodes is not None and max_episodes < 1:
+        fail(InvalidInput(f"--max-episodes must be >= 1, got {max_episodes}"))
+
+    async def run():
+        async with HttpStoreClient(server, api_key=api_key) as client:
+            await client.check()
+            return await client.archive_episodes(older_than_days, max_episodes)
+
+    try:
+        api_key = read_key(key_file) or api_key
+        report = asyncio.run(run())
+    except LightningError as exc:
+        fail(exc)
+    typer.echo(
+        f"archived {report.episodes} episodes in {len(report.batches)} batches to "
+        f"{report.folder} in {report.seconds:.1f} s"
+    )
+    for table, rows in report.rows.items():
+        typer.echo(f"  {table:<12} {rows:>10} rows")
+    typer.echo(
+        f"store file {report.file_bytes_before / 1e6:.1f} MB -> "
+        f"{report.file_bytes_after / 1e6:.1f} MB"
+    )
 
 
 def _read_tasks(file: str) -> list:

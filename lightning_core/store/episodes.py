@@ -73,6 +73,9 @@ class EpisodeStore:
         # (0: loaded from the file, on disk already).
         self._feedback: dict[tuple[str, str], tuple[Feedback, int]] = {}
         self._feedback_seq: int = state["feedback_seq"]
+        # Per episode (rollout id) with a call or feedback since the store started: when, so
+        # that an archive never takes an episode that became active while it chose (retention.py).
+        self._episode_active: dict[str, float] = {}
         for row in state["feedback"]:
             feedback = Feedback.model_validate(row)
             self._feedback[(feedback.episode_id, feedback.source)] = (feedback, 0)
@@ -136,6 +139,7 @@ class EpisodeStore:
             self._episode_written[rollout_id] = self._written
         elif rollout.mode is not RolloutMode.production:
             raise Conflict(f"rollout {rollout_id} exists and is not a production episode")
+        self._episode_active[rollout_id] = now()
         written = self._episode_written.get(rollout_id, 0)
         await self._sync(written)
         if written:
@@ -170,6 +174,7 @@ class EpisodeStore:
         )
         self._log(schema.FEEDBACK, schema.feedback_row(row))
         self._feedback[key] = (row, self._written)
+        self._episode_active[episode_rollout_id(episode_id)] = t
         await self._sync()
         status = "recorded" if current is None else "replaced"
         return FeedbackReceipt(feedback=row.model_copy(deep=True), status=status)

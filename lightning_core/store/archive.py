@@ -1,0 +1,186 @@
+"""Moving old production episodes out of the store into Parquet files, crash-safely.
+
+Runs in the database worker process (worker.py), on its DuckDB connection, between two group
+commits. A batch of episodes is moved in three steps, each of which a SIGKILL may interrupt:
+
+1. copy: every row of the batch's episodes (rollout and attempt logs, spans, feedback) up to the
+   given bounds is written with DuckDB's COPY into `<archive>/.staging/<batch>/`, one Parquet
+   file per table, plus `manifest.json`; each file and the folder are fsynced;
+2. publish: the folder is renamed to `<archive>/episodes/batch=<batch>/` (one atomic rename,
+   then the parent fsynced): readers see the whole batch or nothing of it;
+3. delete: one transaction deletes those rows from the store and records the batch in
+   `archive_batches`.
+
+Killed in step 1, a staging folder is left, which the next start removes: the rows are still in
+the store, nothing is lost. Killed between 2 and 3, the published batch has no row in
+`archive_batches`: the next start (`recover`) deletes its rows from the store then, reading
+which from the batch's own files, so nothing is kept twice. The bounds (log_seq, span
+sequence_id, feedback seq) confine each step to the rows that existed when the batch was chosen:
+an episode id opened again later starts a new episode whose rows stay.
+
+Readers: the analytics views read `episodes/batch=*/feedback.parquet` (data/analytics.py), and a
+`data=episodes` plan reads the batches' feedback, rollouts and spans (flows/data_plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from lightning_core.types import EPISODE_ROLLOUT_PREFIX
+
+EPISODES_FOLDER = "episodes"
+STAGING_FOLDER = ".staging"
+MANIFEST = "manifest.json"
+BATCH_PREFIX = "batch="
+# (table, key column, the bound's column, the bound's name): what a batch holds of each table.
+# Feedback is keyed by episode id, the rest by rollout id (`ep-<episode id>`).
+MOVED = (
+    ("rollout_log", "rollout_id", "log_seq", "log_seq"),
+    ("attempt_log", "rollout_id", "log_seq", "log_seq"),
+    ("spans", "rollout_id", "sequence_id", "span_seq"),
+    ("feedback", "episode_id", "seq", "feedback_seq"),
+)
+_IDS_VIEW = "_lightning_archive_ids"
+
+Step = Callable[[str], None]
+
+
+def batch_folder(archive: Path, batch: str) -> Path:
+    return archive / EPISODES_FOLDER / f"{BATCH_PREFIX}{batch}"
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _where(key: str, seq_column: str, bound: int) -> str:
+    return f"{key} IN (SELECT {key} FROM {_IDS_VIEW}) AND {seq_column} <= {int(bound)}"
+
+
+def _register_ids(con: Any, rollout_ids: list[str]) -> None:
+    episode_ids = [r.removeprefix(EPISODE_ROLLOUT_PREFIX) for r in rollout_ids]
+    con.register(_IDS_VIEW, pa.table({"rollout_id": rollout_ids, "episode_id": episode_ids}))
+
+
+def _delete(con: Any, manifest: dict[str, Any], rollout_ids: list[str]) -> None:
+    """Step 3: the batch's rows out of the store and the batch recorded, in one transaction."""
+    _register_ids(con, rollout_ids)
+    bounds = manifest["bounds"]
+    statements = ["BEGIN"]
+    for table, key, seq_column, bound in MOVED:
+        statements.append(f"DELETE FROM {table} WHERE {_where(key, seq_column, bounds[bound])}")
+    statements.append(
+        "INSERT INTO archive_batches VALUES ("
+        f"{_sql_string(manifest['batch'])}, {float(manifest['archived_at'])}, "
+        f"{int(manifest['episodes'])}, {int(bounds['log_seq'])}, {int(bounds['span_seq'])}, "
+        f"{int(bounds['feedback_seq'])})"
+    )
+    statements.append("COMMIT")
+    try:
+        con.execute("; ".join(statements))
+    except Exception:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        con.unregister(_IDS_VIEW)
+
+
+def archive_batch(
+    con: Any,
+    archive: Path,
+    batch: str,
+    rollout_ids: list[str],
+    bounds: dict[str, int],
+    archived_at: float,
+    step: Step | None = None,
+) -> dict[str, int]:
+    """Move the rows of these episodes (rollout ids `ep-...`) up to `bounds` into a new
+    archive batch; returns the rows moved per table. `step` is called after each step
+    (the crash tests kill the process there)."""
+    step = step or (lambda _name: None)
+    staging = archive / STAGING_FOLDER / batch
+    final = batch_folder(archive, batch)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    _register_ids(con, rollout_ids)
+    counts: dict[str, int] = {}
+    try:
+        for table, key, seq_column, bound in MOVED:
+            path = staging / f"{table}.parquet"
+            select = (
+                f"SELECT * FROM {table} WHERE {_where(key, seq_column, bounds[bound])} "
+                f"ORDER BY {seq_column}"
+            )
+            counts[table] = con.execute(
+                f"COPY ({select}) TO {_sql_string(str(path))} (FORMAT parquet)"
+            ).fetchone()[0]
+            _fsync(path)
+            step(f"copied {table}")
+    finally:
+        con.unregister(_IDS_VIEW)
+    manifest = {
+        "batch": batch,
+        "archived_at": archived_at,
+        "episodes": len(rollout_ids),
+        "bounds": bounds,
+        "rows": counts,
+    }
+    with open(staging / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(staging)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(staging, final)
+    _fsync(final.parent)
+    step("published")
+    _delete(con, manifest, rollout_ids)
+    step("deleted")
+    return counts
+
+
+def recover(con: Any, archive: Path) -> list[str]:
+    """Finish what a killed archive left: remove staging folders, and delete from the store the
+    rows of every published batch not yet recorded as deleted. Returns those batches."""
+    shutil.rmtree(archive / STAGING_FOLDER, ignore_errors=True)
+    folder = archive / EPISODES_FOLDER
+    if not folder.is_dir():
+        return []
+    done = {row[0] for row in con.execute("SELECT batch FROM archive_batches").fetchall()}
+    finished = []
+    for path in sorted(folder.glob(f"{BATCH_PREFIX}*/{MANIFEST}")):
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if manifest["batch"] in done:
+            continue
+        rollouts = _sql_string(str(path.parent / "rollout_log.parquet"))
+        ids = [
+            row[0]
+            for row in con.execute(
+                f"SELECT DISTINCT rollout_id FROM read_parquet({rollouts})"
+            ).fetchall()
+        ]
+        _delete(con, manifest, ids)
+        finished.append(manifest["batch"])
+    return finished
+
+
+def checkpoint(con: Any) -> None:
+    """Write the WAL into the file and give back the blocks the deleted rows held: DuckDB 2.0
+    reuses freed blocks for new rows and truncates free blocks at the file's end, so a store
+    archived on a schedule stays near a steady size (BENCHMARKS.md, store at scale)."""
+    con.execute("CHECKPOINT")
