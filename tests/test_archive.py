@@ -20,19 +20,24 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from lightning_core import semconv
+from lightning_core.app import create_app
+from lightning_core.data.offline import OfflineConfig
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.serving.process import start_serve, stop_serve
 from lightning_core.store import archive
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import FeedbackIn, Span, episode_rollout_id
-from tests.conftest import free_port
+from lightning_rl.flows.data_plan import plan_episodes_since
+from tests.conftest import ThreadedServer, free_port
 from tests.helpers import run_cli
 
 TABLES = [name for name, *_ in archive.MOVED]
 
 
 def call_span(attempt, n: int) -> Span:
+    """An LLM call's span as the gateway records it: tokens and logprobs a plan trains on."""
     return Span(
         rollout_id=attempt.rollout_id,
         attempt_id=attempt.attempt_id,
@@ -41,7 +46,13 @@ def call_span(attempt, n: int) -> Span:
         name="chat",
         start_time=time.time(),
         end_time=time.time(),
-        attributes={"n": n},
+        attributes={
+            semconv.PROMPT_TOKEN_IDS: [1, 2, n % 50],
+            semconv.RESPONSE_COUNT: 1,
+            semconv.RESPONSE.format(i=0, key="token_ids"): [7, 8],
+            semconv.RESPONSE.format(i=0, key="logprobs"): [-0.5, -0.25],
+            semconv.POLICY_VERSION: "v1",
+        },
     )
 
 
@@ -221,3 +232,47 @@ async def test_the_archive_command_archives_through_a_running_server(tmp_path):
             assert await client.query_rollouts() == []
     finally:
         stop_serve(server)
+
+
+def test_a_plan_reads_archived_episodes_and_can_take_each_episode_once(tmp_path):
+    db = tmp_path / "store.duckdb"
+    folder = f"{db}.archive"
+
+    def plan(after: int, archive: str | None = folder, once: bool = False):
+        found, batch = plan_episodes_since(
+            url, None, after, "calc", OfflineConfig(), None, archive, once
+        )
+        return found.rows, sorted(e["episode_id"] for e in batch.episodes) if batch else []
+
+    with ThreadedServer(create_app(DuckDBStore(db=str(db)))) as server:
+        url = server.url
+
+        async def setup() -> None:
+            async with HttpStoreClient(url) as client:
+                for i, episode_id in enumerate(["a", "b", "c"]):
+                    attempt = await client.open_episode(episode_id)
+                    await client.add_spans(
+                        [call_span(attempt, 2 * i), call_span(attempt, 2 * i + 1)]
+                    )
+                    await client.add_feedback(episode_id, FeedbackIn(value=float(i % 2)))
+                await asyncio.sleep(0.5)
+                attempt = await client.open_episode("d")
+                await client.add_spans([call_span(attempt, 10)])
+                await client.add_feedback("d", FeedbackIn(value=1.0))  # seq 4
+                report = await client.archive_episodes(older_than_days=0.3 / 86_400)
+                assert report.episodes == 3
+
+        asyncio.run(setup())
+        assert plan(0, archive=None) == (1, ["d"])
+        assert plan(0) == (4, ["a", "b", "c", "d"])
+        assert plan(3) == (1, ["d"])
+
+        async def late_feedback() -> None:
+            async with HttpStoreClient(url) as client:
+                await client.add_feedback("d", FeedbackIn(value=0.0, source="judge"))  # seq 5
+
+        asyncio.run(late_feedback())
+        assert plan(4) == (1, ["d"])
+        assert plan(4, once=True) == (0, [])
+        # Once, from the start: nothing was taken before, everything is new.
+        assert plan(0, once=True)[0] == 4

@@ -184,3 +184,89 @@ def checkpoint(con: Any) -> None:
     reuses freed blocks for new rows and truncates free blocks at the file's end, so a store
     archived on a schedule stays near a steady size (BENCHMARKS.md, store at scale)."""
     con.execute("CHECKPOINT")
+
+
+# ---------------------------------------------------------------------------- reading it back
+
+
+class ArchiveReader:
+    """The archived episodes, read as the store answers for live ones (a data=episodes plan
+    reads both). Reads the published batches only; nothing here writes."""
+
+    def __init__(self, archive: str | Path) -> None:
+        import duckdb
+
+        self.folder = Path(archive)
+        self._con = duckdb.connect(":memory:")
+
+    def _glob(self, table: str) -> str | None:
+        """The table's files, as read_parquet's arguments (None: no batch yet). Not as hive
+        partitions: the rows are the store's, without a `batch` column."""
+        pattern = f"{BATCH_PREFIX}*/{table}.parquet"
+        if not any((self.folder / EPISODES_FOLDER).glob(pattern)):
+            return None
+        files = _sql_string(str(self.folder / EPISODES_FOLDER / pattern))
+        return f"{files}, hive_partitioning = false"
+
+    def _rows(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        from lightning_core.store import schema
+
+        cursor = self._con.execute(sql, params)
+        columns = [d[0] for d in cursor.description]
+        return [schema.row_dict(columns, row) for row in cursor.fetchall()]
+
+    def feedback(
+        self,
+        through_seq: int,
+        after_seq: int = 0,
+        episode_ids: list[str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """As the store's query_feedback: the newest row per (episode, source) up to
+        `through_seq` of the episodes with a row in (after_seq, through_seq], or of
+        `episode_ids`."""
+        glob = self._glob("feedback")
+        if glob is None:
+            return []
+        sql = (
+            f"SELECT * FROM read_parquet({glob}) WHERE seq <= $through "
+            "QUALIFY row_number() OVER (PARTITION BY episode_id, source ORDER BY seq DESC) = 1"
+        )
+        if episode_ids is not None:
+            where, params = "episode_id IN (SELECT unnest($ids))", {"ids": episode_ids}
+        else:
+            where = (
+                f"episode_id IN (SELECT episode_id FROM read_parquet({glob}) "
+                "WHERE seq > $after AND seq <= $through)"
+            )
+            params = {"after": after_seq}
+        return self._rows(
+            f"SELECT * FROM ({sql}) WHERE {where} ORDER BY episode_id, source",
+            {"through": through_seq, **params},
+        )
+
+    def rollouts(self, rollout_ids: list[str]) -> list[dict[str, Any]]:
+        """The latest row of each of these rollouts that is archived."""
+        glob = self._glob("rollout_log")
+        if glob is None or not rollout_ids:
+            return []
+        return self._rows(
+            f"SELECT * FROM read_parquet({glob}) WHERE rollout_id IN (SELECT unnest($ids)) "
+            "QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY log_seq DESC) = 1 "
+            "ORDER BY rollout_id",
+            {"ids": rollout_ids},
+        )
+
+    def spans(self, rollout_ids: list[str]) -> list[dict[str, Any]]:
+        """The spans of these archived rollouts, each once, as first stored."""
+        glob = self._glob("spans")
+        if glob is None or not rollout_ids:
+            return []
+        return self._rows(
+            f"SELECT * EXCLUDE (sequence_id), sequence_id FROM read_parquet({glob}) "
+            "WHERE rollout_id IN (SELECT unnest($ids)) QUALIFY row_number() OVER (PARTITION BY "
+            "attempt_id, trace_id, span_id ORDER BY sequence_id) = 1 ORDER BY sequence_id",
+            {"ids": rollout_ids},
+        )
+
+    def close(self) -> None:
+        self._con.close()
