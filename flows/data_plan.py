@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from lightning_core.data import analytics
 from lightning_core.data.adapter import AdapterConfig
 from lightning_core.data.files import write_text_atomically
 from lightning_core.data.offline import OfflineBatch, episode_batch
@@ -305,6 +306,9 @@ def save_plan(
         write_text_atomically(data / TASKS_FILE, json.dumps(list(tasks)))
     if batch is not None:
         write_text_atomically(data / EPISODES_FILE, batch.model_dump_json())
+        if batch.feedback:
+            # The live reward per policy version, for the analytics views and the report.
+            analytics.export_feedback(root, batch.feedback_rows())
     write_text_atomically(data / PLAN_FILE, plan.model_dump_json(indent=1))
 
 

@@ -14,14 +14,17 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import duckdb
+import pandas as pd
 import pytest
 
 from lightning_core import semconv
 from lightning_core.app import create_app
+from lightning_core.data import analytics
 from lightning_core.data.offline import OfflineConfig
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.serving.process import start_serve, stop_serve
@@ -276,3 +279,50 @@ def test_a_plan_reads_archived_episodes_and_can_take_each_episode_once(tmp_path)
         assert plan(4, once=True) == (0, [])
         # Once, from the start: nothing was taken before, everything is new.
         assert plan(0, once=True)[0] == 4
+
+
+async def test_feedback_of_runs_and_archive_in_the_analytics_views(tmp_path):
+    db = tmp_path / "store.duckdb"
+    store = DuckDBStore(db=str(db))
+    await fill(store, ["a", "b"])
+    await store.add_feedback("b", FeedbackIn(value=0.0, source="judge"))
+    await asyncio.sleep(0.5)
+    report = await store.archive_episodes(older_than_days=0.3 / 86_400)
+    assert report.episodes == 2
+    await store.close()
+    run = tmp_path / "run"
+    run.mkdir()
+    # A run trained on episode b's user feedback (seq 2, also archived since) and on a live
+    # episode c served by v2.
+    exported = [
+        {"seq": 2, "episode_id": "b", "source": "user", "value": 1.0, "time": 1.0,
+         "recorded_at": 1.0, "policy_version": "v1"},
+        {"seq": 9, "episode_id": "c", "source": "user", "value": 0.5, "time": 2.0,
+         "recorded_at": 2.0, "policy_version": "v2"},
+    ]  # fmt: skip
+    analytics.export_feedback(run, exported)
+    con = analytics.connect(run, ":memory:", archive=report.folder)
+    rows = con.execute("SELECT seq, episode_id, source, policy_version FROM feedback ORDER BY seq")
+    # fill's spans say v1, but the episodes' rollouts carry no policy version: archived rows
+    # without one take the run's where it has the same row.
+    assert rows.fetchall() == [
+        (1, "a", "user", None),
+        (2, "b", "user", "v1"),
+        (3, "b", "judge", None),
+        (9, "c", "user", "v2"),
+    ]
+    live = con.execute("SELECT policy_version, episodes, feedback, reward_mean FROM live_reward")
+    # Episode b: the mean of user 1.0 and judge 0.0.
+    assert live.fetchall() == [(None, 1, 1, 1.0), ("v1", 1, 2, 0.5), ("v2", 1, 1, 0.5)]
+    con.close()
+    con = analytics.connect(run, ":memory:")
+    text = report_markdown(live=analytics.live_reward(con))
+    con.close()
+    assert "## Live reward per policy version" in text and "| v2 | 1 | 1 | 0.500 |" in text
+
+
+def report_markdown(live) -> str:
+    from lightning_rl.flows import report
+
+    curve = report.reward_curve(pd.DataFrame(), [], Path(tempfile.mkdtemp()) / "c.png", "t")
+    return report.markdown("t", pd.DataFrame(), [], curve, live=live)
