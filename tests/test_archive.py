@@ -326,3 +326,28 @@ def report_markdown(live) -> str:
 
     curve = report.reward_curve(pd.DataFrame(), [], Path(tempfile.mkdtemp()) / "c.png", "t")
     return report.markdown("t", pd.DataFrame(), [], curve, live=live)
+
+
+async def test_feedback_waits_for_the_episodes_calls_in_flight(tmp_path):
+    store = DuckDBStore(db=str(tmp_path / "store.duckdb"))
+    attempt = await store.open_episode("talk")
+    # The gateway counts a call when it admits it, and ends it just before staging its span.
+    ended = store.episode_call(attempt.rollout_id)
+    given = asyncio.create_task(store.add_feedback("talk", FeedbackIn(value=1.0)))
+    await asyncio.sleep(0.3)
+    assert not given.done(), "feedback was recorded while the episode's call was in flight"
+    ended()
+    ended()  # twice is harmless
+    store.add_spans_nowait([call_span(attempt, 1)])
+    receipt = await given
+    # Its seq came after the span: a plan that reads this feedback reads the span with it.
+    assert receipt.status == "recorded"
+    assert [s.span_id for s in await store.query_spans([attempt.rollout_id])] == [f"{1:016x}"]
+    # With no call in flight, feedback does not wait; past feedback_wait_s it does not either.
+    await store.add_feedback("talk", FeedbackIn(value=0.0, source="judge"))
+    store.config.feedback_wait_s = 0.1
+    store.episode_call(attempt.rollout_id)
+    assert (await store.add_feedback("talk", FeedbackIn(value=1.0, source="judge"))).status == (
+        "replaced"
+    )
+    await store.close()

@@ -430,9 +430,21 @@ class Gateway:
                 policy_version=request.adapter or self.backend.base_model,
             )
             ctx.rollout_id, ctx.attempt_id = attempt.rollout_id, attempt.attempt_id
-        # An episode's calls are not capped in number (limits.py): a user's long session is
-        # not a runaway loop, and refusing it would break that session in production.
-        return self.limits.admit(ctx.rollout_id, ctx.attempt_id, capped=ctx.episode_id is None)
+        ended = None
+        if ctx.episode_id is not None and self.store is not None and ctx.rollout_id is not None:
+            # Feedback on the episode waits for this call. The slot is released just before the
+            # call's span is staged, with no await between, so the waiter resumes after it.
+            ended = self.store.episode_call(ctx.rollout_id)
+        try:
+            # An episode's calls are not capped in number (limits.py): a user's long session
+            # is not a runaway loop, and refusing it would break that session in production.
+            return self.limits.admit(
+                ctx.rollout_id, ctx.attempt_id, capped=ctx.episode_id is None, ended=ended
+            )
+        except BaseException:
+            if ended is not None:
+                ended()
+            raise
 
     def _chat_choice(
         self, index: int, generated: Choice, tools: list[dict[str, Any]] | None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from lightning_core.types import (
@@ -47,6 +47,10 @@ class SpanRecorder(Protocol):
         metadata: dict[str, Any] | None = None,
     ) -> Attempt:
         """The attempt recording production episode `episode_id`, created on first use."""
+        ...
+
+    def episode_call(self, rollout_id: str) -> Callable[[], None]:
+        """Count a call in flight on an episode until the returned function is called."""
         ...
 
 

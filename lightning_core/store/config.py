@@ -34,6 +34,13 @@ class StoreConfig(BaseModel):
     watchdog_interval_s: float = Field(
         1.0, gt=0, description="How often the store looks for timed-out and unresponsive attempts."
     )
+    feedback_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="Feedback on an episode with an LLM call in flight waits this long at most "
+        "for the call's span, so that training finds the episode whole; past it the feedback "
+        "is recorded anyway (a call longer than this is rare: max_tokens bounds it).",
+    )
     retention_days: float | None = Field(
         None,
         gt=0,
