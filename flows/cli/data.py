@@ -51,7 +51,8 @@ def analyze(
         str,
         typer.Argument(
             help="SQL over the views transitions (one row per LLM call), episodes (one per "
-            "rollout) and exported_rows (the Parquet files as written)."
+            "rollout), exported_rows (the Parquet files as written), feedback (production "
+            "feedback, one row per seq) and live_reward (per policy version)."
         ),
     ],
     root: Annotated[
@@ -64,8 +65,15 @@ def analyze(
     output_format: Annotated[
         str, typer.Option("--format", help="Output: table, csv or json.")
     ] = "table",
+    archive: Annotated[
+        str | None,
+        typer.Option(
+            help="A production store's archive folder (<db>.archive): its feedback joins the "
+            "views feedback and live_reward."
+        ),
+    ] = None,
 ) -> None:
-    """Query a training run's exported transitions with DuckDB SQL."""
+    """Query a training run's exported transitions and feedback with DuckDB SQL."""
     from pathlib import Path
 
     from lightning_core.data import analytics
@@ -86,7 +94,7 @@ def analyze(
                 "transitions/iteration=<k>/part-0.parquet after each iteration"
             )
         # In memory: a training flow may hold the run's analytics.duckdb open.
-        con = analytics.connect(run, ":memory:")
+        con = analytics.connect(run, ":memory:", archive)
         try:
             frame = analytics.run_sql(con, sql)
         finally:
