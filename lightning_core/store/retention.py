@@ -121,8 +121,13 @@ class RetentionStore:
             file_bytes_before=before,
             file_bytes_after=before,
         )
+        episodes = {r.removeprefix(EPISODE_ROLLOUT_PREFIX) for r in candidates}
+        sources: dict[str, list[tuple[str, str]]] = {}
+        for key in self._feedback:
+            if key[0] in episodes:
+                sources.setdefault(key[0], []).append(key)
         for first in range(0, len(candidates), size):
-            sealed = self._seal(candidates[first : first + size], cutoff)
+            sealed = self._seal(candidates[first : first + size], cutoff, sources)
             if not sealed:
                 continue
             bounds = {
@@ -144,9 +149,13 @@ class RetentionStore:
         report.seconds = time.perf_counter() - started
         return report
 
-    def _seal(self, rollout_ids: list[str], cutoff: float) -> list[str]:
+    def _seal(
+        self, rollout_ids: list[str], cutoff: float, sources: dict[str, list[tuple[str, str]]]
+    ) -> list[str]:
         """Drop from the live state the episodes still idle since `cutoff`; returns them.
-        One synchronous step, so no call or feedback lands between the check and the drop."""
+        One synchronous step, so no call or feedback lands between the check and the drop.
+        `sources`: the feedback keys of each candidate episode (one pass over all feedback per
+        archive, not per batch)."""
         sealed = []
         for rollout_id in rollout_ids:
             active = self._episode_active.get(rollout_id, 0.0) >= cutoff
@@ -157,11 +166,10 @@ class RetentionStore:
                 self._attempts.pop(attempt_id, None)
             self._episode_written.pop(rollout_id, None)
             self._episode_active.pop(rollout_id, None)
+            # Feedback given since the pass made the episode active: these are all its keys.
+            for key in sources.get(rollout_id.removeprefix(EPISODE_ROLLOUT_PREFIX), ()):
+                self._feedback.pop(key, None)
             sealed.append(rollout_id)
-        if sealed:
-            # The rollout order keeps their ids (paging positions must not move); reads skip
-            # ids without a rollout.
-            episodes = {r.removeprefix(EPISODE_ROLLOUT_PREFIX) for r in sealed}
-            for key in [k for k in self._feedback if k[0] in episodes]:
-                del self._feedback[key]
+        # The rollout order keeps their ids (paging positions must not move); reads skip ids
+        # without a rollout.
         return sealed
