@@ -19,8 +19,10 @@ in the run folder, so a resumed run trains on exactly the data it started with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -241,20 +243,23 @@ def plan_episodes_since(
     previous_run: str | None = None,
 ) -> tuple[DataPlan, OfflineBatch | None]:
     """The plan of the episodes whose feedback arrived after seq `after_seq` (0: all)."""
-    try:
-        through, feedback, rollouts, spans = asyncio.run(
-            _fetch_episodes(url, key_file, after_seq, archive, once)
-        )
-    except LightningError as exc:
-        raise type(exc)(f"cannot read episodes from the production server {url}: {exc}") from exc
+    with _no_cyclic_gc():
+        try:
+            through, feedback, rollouts, spans = asyncio.run(
+                _fetch_episodes(url, key_file, after_seq, archive, once)
+            )
+        except LightningError as exc:
+            raise type(exc)(
+                f"cannot read episodes from the production server {url}: {exc}"
+            ) from exc
+        batch = None
+        rows: list[dict[str, Any]] = []
+        if feedback:
+            batch = episode_batch(
+                rollouts, spans, feedback, offline, AdapterConfig(agents=train_agents)
+            )
+            rows = _episode_rows(batch.transitions, feedback)
     name = f"{agent_name}-episodes"
-    batch = None
-    rows: list[dict[str, Any]] = []
-    if feedback:
-        batch = episode_batch(
-            rollouts, spans, feedback, offline, AdapterConfig(agents=train_agents)
-        )
-        rows = _episode_rows(batch.transitions, feedback)
     digest = content_hash(rows)
     plan = DataPlan(
         source="episodes",
@@ -268,6 +273,20 @@ def plan_episodes_since(
         source_uri=url,
     )
     return plan, batch
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """A plan builds hundreds of thousands of objects that all live until it ends: the cyclic
+    GC walked them again and again and found nothing to free (6 of 21 s of a plan of 20,000
+    episodes, profiled on a loaded machine; 15 s without it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 _HASHED = {"step", "prompt_token_ids", "response_token_ids", "response_logprobs", "reward"}
