@@ -351,3 +351,34 @@ async def test_feedback_waits_for_the_episodes_calls_in_flight(tmp_path):
         "replaced"
     )
     await store.close()
+
+
+async def test_compacting_a_stopped_store_gives_back_the_archived_space(tmp_path):
+    db = tmp_path / "store.duckdb"
+    store = DuckDBStore(db=str(db))
+    for i in range(200):
+        # 20 KB of text that does not compress: 4 MB in all, well over DuckDB's block sizes.
+        attempt = await store.open_episode(f"e{i}")
+        big = call_span(attempt, 5000 + i)
+        big.attributes["text"] = os.urandom(10_000).hex()
+        await store.add_spans([big])
+    await asyncio.sleep(0.5)
+    await fill(store, ["kept"], start=1000)
+    watermark = await store.feedback_watermark()
+    assert (await store.archive_episodes(older_than_days=0.3 / 86_400)).episodes == 200
+    # Refused while the store's worker holds the file: one line, no traceback.
+    done = run_cli("data", "compact", str(db))
+    assert done.returncode == 2 and "Stop the server" in done.stderr, done.stderr
+    await store.close()
+    before = db.stat().st_size
+    done = run_cli("data", "compact", str(db))
+    assert done.returncode == 0, done.stderr
+    assert db.stat().st_size < before
+    # The same store: its episode, its counters, and it takes new work.
+    store = DuckDBStore(db=str(db))
+    assert [r.rollout_id for r in await store.query_rollouts()] == ["ep-kept"]
+    assert len(await store.query_spans(["ep-kept"])) == 2
+    assert await store.feedback_watermark() == watermark
+    await fill(store, ["after"], start=2000)
+    assert await store.feedback_watermark() == watermark + 1
+    await store.close()

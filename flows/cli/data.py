@@ -1,5 +1,5 @@
 """Commands on a store and its data: `status`, `analyze`, `data add-tasks`, `data show`,
-`data archive`."""
+`data archive`, `data compact`."""
 
 from __future__ import annotations
 
@@ -226,6 +226,20 @@ def archive(
         f"store file {report.file_bytes_before / 1e6:.1f} MB -> "
         f"{report.file_bytes_after / 1e6:.1f} MB"
     )
+
+
+@data_app.command("compact")
+def compact(
+    db: Annotated[str, typer.Argument(help="The store's DuckDB file, with no server running.")],
+) -> None:
+    """Give back the space of archived episodes: rewrite a stopped store's file compactly."""
+    from lightning_core.store.compact import compact as compact_file
+
+    try:
+        before, after = compact_file(db)
+    except LightningError as exc:
+        fail(exc)
+    typer.echo(f"{db}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
 
 
 def _read_tasks(file: str) -> list:

@@ -56,11 +56,13 @@ def batch_folder(archive: Path, batch: str) -> Path:
     return archive / EPISODES_FOLDER / f"{BATCH_PREFIX}{batch}"
 
 
-def _sql_string(text: str) -> str:
+def sql_string(text: str) -> str:
+    """`text` as a SQL string literal (paths in COPY and read_parquet take no parameters)."""
     return "'" + text.replace("'", "''") + "'"
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Make a file's content, or a folder's entries, durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -86,7 +88,7 @@ def _delete(con: Any, manifest: dict[str, Any], rollout_ids: list[str]) -> None:
         statements.append(f"DELETE FROM {table} WHERE {_where(key, seq_column, bounds[bound])}")
     statements.append(
         "INSERT INTO archive_batches VALUES ("
-        f"{_sql_string(manifest['batch'])}, {float(manifest['archived_at'])}, "
+        f"{sql_string(manifest['batch'])}, {float(manifest['archived_at'])}, "
         f"{int(manifest['episodes'])}, {int(bounds['log_seq'])}, {int(bounds['span_seq'])}, "
         f"{int(bounds['feedback_seq'])})"
     )
@@ -127,9 +129,9 @@ def archive_batch(
                 f"ORDER BY {seq_column}"
             )
             counts[table] = con.execute(
-                f"COPY ({select}) TO {_sql_string(str(path))} (FORMAT parquet)"
+                f"COPY ({select}) TO {sql_string(str(path))} (FORMAT parquet)"
             ).fetchone()[0]
-            _fsync(path)
+            fsync_path(path)
             step(f"copied {table}")
     finally:
         con.unregister(_IDS_VIEW)
@@ -144,10 +146,10 @@ def archive_batch(
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync(staging)
+    fsync_path(staging)
     final.parent.mkdir(parents=True, exist_ok=True)
     os.rename(staging, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     step("published")
     _delete(con, manifest, rollout_ids)
     step("deleted")
@@ -167,7 +169,7 @@ def recover(con: Any, archive: Path) -> list[str]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if manifest["batch"] in done:
             continue
-        rollouts = _sql_string(str(path.parent / "rollout_log.parquet"))
+        rollouts = sql_string(str(path.parent / "rollout_log.parquet"))
         ids = [
             row[0]
             for row in con.execute(
@@ -205,7 +207,7 @@ class ArchiveReader:
         pattern = f"{BATCH_PREFIX}*/{table}.parquet"
         if not any((self.folder / EPISODES_FOLDER).glob(pattern)):
             return None
-        files = _sql_string(str(self.folder / EPISODES_FOLDER / pattern))
+        files = sql_string(str(self.folder / EPISODES_FOLDER / pattern))
         return f"{files}, hive_partitioning = false"
 
     def _rows(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
