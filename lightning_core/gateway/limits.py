@@ -140,7 +140,21 @@ class CallLimits:
     ) -> CallSlot:
         """Count one call of the attempt (none outside a rollout); 429 past its limits.
         `capped`: whether max_calls applies (not to production episodes, see above); `ended`
-        goes with the slot (CallSlot)."""
+        goes with the slot (CallSlot), or is called at once when the call is refused."""
+        try:
+            return self._admit(rollout_id, attempt_id, capped, ended)
+        except BaseException:
+            if ended is not None:
+                ended()
+            raise
+
+    def _admit(
+        self,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        capped: bool,
+        ended: Callable[[], None] | None,
+    ) -> CallSlot:
         if rollout_id is None:
             return CallSlot(None, ended)
         key = (rollout_id, attempt_id or "")

@@ -49,8 +49,11 @@ class SpanRecorder(Protocol):
         """The attempt recording production episode `episode_id`, created on first use."""
         ...
 
-    def episode_call(self, rollout_id: str) -> Callable[[], None]:
-        """Count a call in flight on an episode until the returned function is called."""
+    async def open_episode_call(
+        self, episode_id: str, agent_name: str | None = None, policy_version: str | None = None
+    ) -> tuple[Attempt, Callable[[], None]]:
+        """open_episode for an LLM call, counted in flight on the episode until the function
+        returned is called (when the call has ended, just before its span is staged)."""
         ...
 
 

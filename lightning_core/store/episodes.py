@@ -155,6 +155,14 @@ class EpisodeStore:
             self._episode_written.pop(rollout_id, None)
         return self._attempts[self._attempts_of[rollout_id][0]].model_copy()
 
+    async def open_episode_call(
+        self, episode_id: str, agent_name: str | None = None, policy_version: str | None = None
+    ) -> tuple[Attempt, Callable[[], None]]:
+        """open_episode for the gateway's LLM call on the episode, and the call counted in
+        flight until the function returned is called (episode_call)."""
+        attempt = await self.open_episode(episode_id, agent_name, policy_version)
+        return attempt, self.episode_call(attempt.rollout_id)
+
     def episode_call(self, rollout_id: str) -> Callable[[], None]:
         """Count an LLM call in flight on episode `rollout_id` until the function returned is
         called (the gateway, once the call's span is staged, or the call failed); twice is
