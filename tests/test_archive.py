@@ -3,8 +3,11 @@
 What must hold: only episodes idle since the cutoff move (a call or feedback after it keeps an
 episode live); every row of a moved episode is in the archive once and gone from the store; the
 feedback watermark never goes back (a restart after the newest feedback was archived hands out
-higher seqs); and a process SIGKILLed at any step of an archive loses and duplicates nothing,
-once the store has started again on the file.
+higher seqs); a process SIGKILLed at any step of an archive loses and duplicates nothing, once
+the store has started again on the file; a data=episodes plan reads archived episodes, and can
+take each episode once; the analytics views hold the archived feedback and the runs' exports
+once each; compacting a stopped store gives the space back and keeps its data; and feedback
+waits for the episode's calls in flight.
 """
 
 from __future__ import annotations
