@@ -14,6 +14,7 @@ sent in one `add_spans` call (which the client coalesces across runners).
     python benchmarks/store_throughput.py            # both stores, prints the table
     python benchmarks/store_throughput.py --skip-peer --total 512
     python benchmarks/store_throughput.py --quick    # the same code on 32 rollouts (the tests)
+    python benchmarks/store_throughput.py --prefill 1000000   # a year of episodes stored first
 
 --quick: 32 rollouts in batches of 16, 4 runners in one runner process, both stores on free
 ports. Agent Lightning is measured only if its venv is already built (else its row is left
@@ -209,10 +210,21 @@ async def _algorithm(url: str, shape: WorkloadShape) -> dict[str, Any]:
     return {"rollouts": checked, "spans": spans_read, "seconds": seconds}
 
 
-def run_lightning(shape: WorkloadShape, runner_processes: int, port: int) -> dict[str, Any]:
+def run_lightning(
+    shape: WorkloadShape, runner_processes: int, port: int, prefill: int = 0
+) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
     url = f"http://127.0.0.1:{port}"
-    server = start_serve(workdir / "bench.duckdb", port, "--backend", "none")
+    db = workdir / "bench.duckdb"
+    if prefill:
+        # A year of production traffic already in the store (store_scale.py's episodes).
+        from benchmarks.store_scale import WEEK_S
+        from benchmarks.store_scale import prefill as fill
+
+        end = time.time()
+        print(f"  prefilling the store with {prefill:,} production episodes ...", flush=True)
+        fill(db, 0, prefill, end - 52 * WEEK_S, end)
+    server = start_serve(db, port, "--backend", "none", timeout=1800)
     ctx = mp.get_context("spawn")
     processes = []
     try:
@@ -285,6 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-port", type=int, default=4748)
     parser.add_argument("--skip-peer", action="store_true", help="measure lightning-rl only")
     parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="production episodes (with spans and feedback) in our store before the run: "
+        "1000000 is a year of traffic (benchmarks/store_scale.py)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="32 rollouts, 4 runners, free ports, no peer to build"
     )
     args = parser.parse_args(argv)
@@ -304,7 +323,9 @@ def main(argv: list[str] | None = None) -> None:
         runners=args.runners,
     )
     print(f"workload: {shape}; machine: {os.cpu_count()} cores", flush=True)
-    rows = [run_lightning(shape, args.runner_processes, args.port)]
+    rows = [run_lightning(shape, args.runner_processes, args.port, args.prefill)]
+    if args.prefill:
+        rows[0]["store"] = f"lightning-rl + {args.prefill:,} episodes"
     if not args.skip_peer:
         from benchmarks.peers.agentlightning import run_agentlightning
 
@@ -314,8 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     ours = rows[0]["rollouts_per_s"]
     if len(rows) > 1:
         print(f"ratio_vs_agentlightning: {ours / rows[1]['rollouts_per_s']:.1f}")
+        p99 = rows[0]["add_span_p99_ms"] / rows[1]["add_span_p99_ms"]
+        print(f"add_spans_p99_vs_agentlightning: {p99:.2f}")
     else:
         print("ratio_vs_agentlightning: not measured (--skip-peer)")
+        print("add_spans_p99_vs_agentlightning: not measured (--skip-peer)")
 
 
 if __name__ == "__main__":

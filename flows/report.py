@@ -72,8 +72,10 @@ def markdown(
     curve: Path,
     decision: Any = None,
     extra: dict[str, Any] | None = None,
+    live: pd.DataFrame | None = None,
 ) -> str:
-    """The report: held-out scores, the curve (inline PNG), per-iteration metrics, promotion."""
+    """The report: held-out scores, the curve (inline PNG), per-iteration metrics, the live
+    reward per policy version (a run on production episodes), promotion."""
     parts = [f"# {title}", ""]
     if evals:
         base, final = evals[0][1], evals[-1][1]
@@ -116,6 +118,17 @@ def markdown(
         ),
         "",
     ]
+    if live is not None and not live.empty:
+        parts += [
+            "## Live reward per policy version",
+            "",
+            "The feedback of the production episodes this run trained on (and of the archive, "
+            "with `data.episodes_archive`): per episode the mean of its sources, then the mean "
+            "over the version's episodes, +- a 95 % interval.",
+            "",
+            _table(live, ["policy_version", "episodes", "feedback", "reward_mean", "reward_ci95"]),
+            "",
+        ]
     if decision is not None:
         parts += ["## Registry", "", f"{decision}", ""]
     for key, value in (extra or {}).items():

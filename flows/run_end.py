@@ -133,12 +133,13 @@ def _report(
     comparison: Comparison,
     curve: Path,
     summary: dict[str, Any],
+    live: Any = None,
 ) -> None:
     """The training report, the comparison and the held-out scores as Prefect artifacts."""
     agent = start.agent.name
     reason = summary["promotion"]["reason"]
     create_markdown_artifact(
-        report.markdown(title, history, evals, curve, reason, extra=summary),
+        report.markdown(title, history, evals, curve, reason, extra=summary, live=live),
         key=report.artifact_key(agent, "training-report"),
         description=f"Training report of {start.config.run_name}",
     )
@@ -154,10 +155,12 @@ def _report(
     )
 
 
-def _history(start: Start) -> Any:
-    con = analytics.connect(start.root, ":memory:")
+def _history(start: Start) -> tuple[Any, Any]:
+    """The metrics per iteration, and the live reward per policy version (empty unless the run
+    trained on production episodes)."""
+    con = analytics.connect(start.root, ":memory:", start.config.data.episodes_archive)
     try:
-        return analytics.history(con)
+        return analytics.history(con), analytics.live_reward(con)
     finally:
         con.close()
 
@@ -169,11 +172,11 @@ def finish(start: Start, run: RunContext, checkpoint: Checkpoint) -> dict[str, A
     decision = _register(start, checkpoint, evals[-1][1])
     title = f"{start.agent.name}: {run.run_name}"
     # Read once: the curve and the report show the same iterations.
-    history = _history(start)
+    history, live = _history(start)
     curve = report.reward_curve(history, evals, start.root / "reward_curve.png", title)
     log_artifact(curve, run_id=checkpoint.mlflow_run_id)
     summary = _summary(start, checkpoint, evals, comparison, decision, str(curve))
-    _report(start, title, history, evals, comparison, curve, summary)
+    _report(start, title, history, evals, comparison, curve, summary, live)
     return summary
 
 

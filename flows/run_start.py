@@ -104,6 +104,8 @@ def _plan_data(
             agent.name,
             offline,
             config.train_agents or agent.train_agents,
+            config.data.episodes_archive,
+            config.data.episodes_once,
         )
         return plan, None, batch
     return data_plan.plan_profile(agent.name, train_tasks(config)), None, None

@@ -89,6 +89,18 @@ class DataConfig(BaseModel):
     episodes_key_file: str | None = Field(
         None, description="File holding the production server's API key (a path, never the key)."
     )
+    episodes_archive: str | None = Field(
+        None,
+        description="The production store's archive folder (`<db>.archive`, `lightning-rl data "
+        "archive`), read beside the server: episodes archived since the previous run are "
+        "still trained on. None: the server's episodes only.",
+    )
+    episodes_once: bool = Field(
+        False,
+        description="Train each episode at most once: an episode an earlier episodes run took "
+        "(it had feedback up to that run's watermark) is left out when new feedback on it "
+        "arrives. False: it is taken again, with its reward from all its feedback.",
+    )
     offline: OfflineConfig = Field(
         default_factory=OfflineConfig,
         description="source=episodes: how feedback becomes a reward and how the off-policy "

@@ -34,6 +34,7 @@ HELPERS = {"workload", "quick_train"}
 QUICK = (
     "gateway",
     "store_throughput",
+    "store_scale",
     "structured",
     "train_step",
     "grammar_engines",
@@ -113,12 +114,29 @@ def test_gateway_quick():
 
 @pytest.mark.timeout(180)
 def test_store_throughput_quick():
-    text = run_benchmark("store_throughput", "--quick", timeout=170)
-    [ours] = table_rows(text, "lightning-rl (DuckDB file, durable)")
+    # With a few production episodes stored first, as `--prefill 1000000` stores a year's.
+    text = run_benchmark("store_throughput", "--quick", "--prefill", "500", timeout=170)
+    [ours] = table_rows(text, "lightning-rl + 500 episodes")
     runners, rollouts, spans = int(ours[1]), int(ours[2]), int(ours[3])
     # Every rollout read back and checked; each has at least a round, a final span, a reward.
     assert (runners, rollouts) == (4, 32) and spans >= 4 * rollouts, text
-    assert "ratio_vs_agentlightning" in text
+    assert "ratio_vs_agentlightning" in text and "add_spans_p99_vs_agentlightning" in text
+
+
+@pytest.mark.timeout(300)
+def test_store_scale_quick():
+    text = run_benchmark("store_scale", "--quick", timeout=280)
+    rows = {r[0]: r[1] for r in table_rows(text)}
+    assert rows["episodes stored"] == "2,000", text
+    # A week is 2,000 // 52 = 38 episodes: the weekly plan takes the last 38, two calls each;
+    # 90 days back from the year's end archives about 39 of the 52 weeks.
+    assert "data=episodes plan, last week (38 episodes, 76 transitions)" in rows, text
+    archived = [k for k in rows if k.startswith("archive (")]
+    assert archived and int(archived[0].split()[1].strip("(").replace(",", "")) > 1000, text
+    # The 3 weeks added later are archived in turn, about a week's 38 episodes each.
+    weeks = [k for k in rows if k.startswith("week +")]
+    assert len(weeks) == 3 and all("archived 3" in k for k in weeks), text
+    assert set(figures(text)) >= {"plan_episodes_quick_s", "archive_s", "store_mb_after"}, text
 
 
 @pytest.mark.timeout(180)

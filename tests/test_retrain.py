@@ -19,6 +19,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from lightning_core.data import analytics
 from lightning_core.feedback import send_feedback
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig
@@ -123,6 +124,12 @@ def test_scheduled_run_trains_on_new_episodes_from_the_champion(prefect_harness,
         w1 = tmp_path / "runs" / "w1"
         wanted = {f"ep-order-{i}" for i in range(4)}
         assert _episodes_trained(w1, 1) == wanted == _episodes_trained(w1, 2)
+        # The feedback it trained on, per policy version, in the analytics views (order-1 has
+        # two sources: 5 rows for 4 episodes, all served by the champion).
+        con = analytics.connect(w1, ":memory:")
+        [(episodes, rows)] = con.execute("SELECT episodes, feedback FROM live_reward").fetchall()
+        con.close()
+        assert (episodes, rows) == (4, 5)
         # Warm-started from the champion: the run's iteration 0 is the champion's score.
         assert week1["base"]["policy_version"] == "w1-v0"
         assert week1["base"]["score"] == pytest.approx(week0["final"]["score"])

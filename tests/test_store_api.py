@@ -9,8 +9,10 @@ import re
 from typing import Any
 
 import orjson
+import pytest
 from fastapi.routing import APIRoute
 
+from lightning_core.errors import InvalidInput
 from lightning_core.store import api
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
@@ -133,6 +135,9 @@ async def _every_call(client: HttpStoreClient) -> None:
     assert (await client.add_feedback("e1", FeedbackIn(value=1.0))).status == "recorded"
     assert await client.feedback_watermark() == 1
     assert len(await client.query_feedback()) == 1
+    # A store in memory has nowhere to archive to: the request still goes out, and is refused.
+    with pytest.raises(InvalidInput, match="archive folder"):
+        await client.archive_episodes(older_than_days=1)
 
 
 async def test_the_client_calls_the_tables_endpoints():

@@ -1,4 +1,5 @@
-"""Commands on a store and its data: `status`, `analyze`, `data add-tasks`, `data show`."""
+"""Commands on a store and its data: `status`, `analyze`, `data add-tasks`, `data show`,
+`data archive`, `data compact`."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def analyze(
         str,
         typer.Argument(
             help="SQL over the views transitions (one row per LLM call), episodes (one per "
-            "rollout) and exported_rows (the Parquet files as written)."
+            "rollout), exported_rows (the Parquet files as written), feedback (production "
+            "feedback, one row per seq) and live_reward (per policy version)."
         ),
     ],
     root: Annotated[
@@ -63,8 +65,15 @@ def analyze(
     output_format: Annotated[
         str, typer.Option("--format", help="Output: table, csv or json.")
     ] = "table",
+    archive: Annotated[
+        str | None,
+        typer.Option(
+            help="A production store's archive folder (<db>.archive): its feedback joins the "
+            "views feedback and live_reward."
+        ),
+    ] = None,
 ) -> None:
-    """Query a training run's exported transitions with DuckDB SQL."""
+    """Query a training run's exported transitions and feedback with DuckDB SQL."""
     from pathlib import Path
 
     from lightning_core.data import analytics
@@ -85,7 +94,7 @@ def analyze(
                 "transitions/iteration=<k>/part-0.parquet after each iteration"
             )
         # In memory: a training flow may hold the run's analytics.duckdb open.
-        con = analytics.connect(run, ":memory:")
+        con = analytics.connect(run, ":memory:", archive)
         try:
             frame = analytics.run_sql(con, sql)
         finally:
@@ -97,7 +106,8 @@ def analyze(
 
 data_app = typer.Typer(
     name="data",
-    help="Task tables: folders of Parquet files that training reads new tasks from.",
+    help="Task tables (folders of Parquet files that training reads new tasks from) and the "
+    "archive of old production episodes.",
     no_args_is_help=True,
 )
 app.add_typer(data_app)
@@ -161,6 +171,75 @@ def show(
     typer.echo(f"{'total':<{width}} {whole.rows:>8}")
     typer.echo(f"dataset id {whole.dataset_id}")
     typer.echo(f"content hash {whole.content_hash}")
+
+
+@data_app.command("archive")
+def archive(
+    server: Annotated[
+        str, typer.Option(help="Root URL of the running store (`serve` or `production`).")
+    ] = "http://127.0.0.1:4748",
+    older_than_days: Annotated[
+        float | None,
+        typer.Option(
+            help="Archive production episodes with no call and no feedback for this many "
+            "days; default: the server's retention_days."
+        ),
+    ] = None,
+    max_episodes: Annotated[
+        int | None, typer.Option(help="Archive at most this many, the oldest first.")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LIGHTNING_API_KEY", help="The server's API key.")
+    ] = None,
+    key_file: Annotated[
+        str | None, typer.Option(help="A file holding the key (`production` writes <db>.key).")
+    ] = None,
+) -> None:
+    """Move idle production episodes and their feedback from the store to its Parquet archive."""
+    import asyncio
+
+    from lightning_core.store.client import HttpStoreClient
+    from lightning_rl.flows.policy_server import read_key
+
+    if older_than_days is not None and older_than_days <= 0:
+        fail(InvalidInput(f"--older-than-days must be > 0, got {older_than_days}"))
+    if max_episodes is not None and max_episodes < 1:
+        fail(InvalidInput(f"--max-episodes must be >= 1, got {max_episodes}"))
+
+    async def run():
+        async with HttpStoreClient(server, api_key=api_key) as client:
+            await client.check()
+            return await client.archive_episodes(older_than_days, max_episodes)
+
+    try:
+        api_key = read_key(key_file) or api_key
+        report = asyncio.run(run())
+    except LightningError as exc:
+        fail(exc)
+    typer.echo(
+        f"archived {report.episodes} episodes in {len(report.batches)} batches to "
+        f"{report.folder} in {report.seconds:.1f} s"
+    )
+    for table, rows in report.rows.items():
+        typer.echo(f"  {table:<12} {rows:>10} rows")
+    typer.echo(
+        f"store file {report.file_bytes_before / 1e6:.1f} MB -> "
+        f"{report.file_bytes_after / 1e6:.1f} MB"
+    )
+
+
+@data_app.command("compact")
+def compact(
+    db: Annotated[str, typer.Argument(help="The store's DuckDB file, with no server running.")],
+) -> None:
+    """Give back the space of archived episodes: rewrite a stopped store's file compactly."""
+    from lightning_core.store.compact import compact as compact_file
+
+    try:
+        before, after = compact_file(db)
+    except LightningError as exc:
+        fail(exc)
+    typer.echo(f"{db}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
 
 
 def _read_tasks(file: str) -> list:

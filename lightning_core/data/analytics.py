@@ -12,6 +12,13 @@ per rollout_id). A rollout that produced no transition (its agent failed before 
 still counts for the success rate: it is exported as one placeholder row with step -1, zero
 tokens, reward 0 and a NULL advantage. The `transitions` view leaves placeholders out; the
 `exported_rows` view shows the files as written.
+
+Feedback from production: a `data=episodes` run exports the feedback rows it trained on, each
+with the policy version of its episode, to `<root>/feedback/part-0.parquet`; with `archive` (a
+production store's archive folder, store/archive.py) the archived feedback joins them. The
+`feedback` view holds each row once (by its seq), `live_reward` the reward of each policy
+version on live traffic: per episode the mean of its sources' newest values (offline.combine's
+default), then their mean over the version's episodes, with a 95 % interval.
 """
 
 from __future__ import annotations
@@ -79,6 +86,22 @@ COLUMNS: tuple[Column, ...] = (
     ),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
+# The feedback export of a data=episodes run, in file order.
+FEEDBACK_COLUMNS: tuple[Column, ...] = (
+    Column("seq", "BIGINT", pa.int64(), False, "The store's feedback sequence number."),
+    Column("episode_id", "VARCHAR", pa.string(), False, "Production episode it is about."),
+    Column("source", "VARCHAR", pa.string(), False, "Who gave it (user, judge, ...)."),
+    Column("value", "DOUBLE", pa.float64(), False, "The reward it gives."),
+    Column("time", "DOUBLE", pa.float64(), False, "When it happened (epoch seconds)."),
+    Column("recorded_at", "DOUBLE", pa.float64(), False, "When the store recorded it."),
+    Column("policy_version", "VARCHAR", pa.string(), True, "Policy that served the episode."),
+)
+FEEDBACK_SCHEMA = pa.schema(
+    [pa.field(c.name, c.arrow_type, nullable=c.nullable) for c in FEEDBACK_COLUMNS]
+)
+FEEDBACK_FILE = Path("feedback") / PART_FILE
+# The archive's layout (written by store/archive.py; tests/test_archive.py reads one back).
+ARCHIVE_BATCHES = "episodes/batch=*"
 ARROW_SCHEMA = pa.schema([pa.field(c.name, c.arrow_type, nullable=c.nullable) for c in COLUMNS])
 # Facts of the rollout, repeated on each of its rows: they must agree within a rollout.
 ROLLOUT_COLUMNS = (
@@ -284,6 +307,22 @@ def _disk_full_message(path: Path, iteration: int) -> str:
     )
 
 
+def export_feedback(root: Path, rows: list[dict[str, Any]]) -> Path:
+    """Write the feedback rows a run trained on (FEEDBACK_COLUMNS each) to
+    `root/feedback/part-0.parquet`, whole or not at all; again replaces it."""
+    try:
+        table = pa.Table.from_pylist(
+            [{c.name: row.get(c.name) for c in FEEDBACK_COLUMNS} for row in rows],
+            schema=FEEDBACK_SCHEMA,
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise InvalidInput(f"feedback rows have a wrong type: {exc}") from exc
+    path = Path(root) / FEEDBACK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, lambda f: pq.write_table(table, f))
+    return path
+
+
 def exported_iterations(root: Path) -> list[int]:
     """Iterations that have an export under `root`, in order."""
     found = []
@@ -296,6 +335,63 @@ def exported_iterations(root: Path) -> list[int]:
 
 def _sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
+
+
+def _create_feedback_views(
+    con: duckdb.DuckDBPyConnection, root: Path, archive: Path | None
+) -> None:
+    typed_empty = ", ".join(f"NULL::{c.sql_type} AS {c.name}" for c in FEEDBACK_COLUMNS)
+    names = ", ".join(c.name for c in FEEDBACK_COLUMNS)
+    parts = [f"SELECT {typed_empty} WHERE false"]
+    exported = root / FEEDBACK_FILE
+    if exported.exists():
+        parts.append(f"SELECT {names} FROM read_parquet({_sql_string(str(exported))})")
+    batches = archive / ARCHIVE_BATCHES if archive is not None else None
+    if batches is not None and any(batches.parent.glob(f"{batches.name}/feedback.parquet")):
+        # Archived feedback carries no policy version: its episode's rollout row has it.
+        files = {
+            t: f"read_parquet({_sql_string(str(batches / f'{t}.parquet'))}, "
+            "hive_partitioning = false)"
+            for t in ("feedback", "rollout_log")
+        }
+        parts.append(
+            f"SELECT f.seq, f.episode_id, f.source, f.value, f.time, f.recorded_at, "
+            f"r.policy_version FROM {files['feedback']} f LEFT JOIN (SELECT rollout_id, "
+            f"policy_version FROM {files['rollout_log']} QUALIFY row_number() OVER (PARTITION "
+            "BY rollout_id ORDER BY log_seq DESC) = 1) r ON r.rollout_id = 'ep-' || f.episode_id"
+        )
+    # A row both exported by a run and archived since is one row.
+    union = " UNION ALL BY NAME ".join(parts)
+    con.execute(
+        f"CREATE OR REPLACE VIEW feedback AS SELECT {names} FROM ({union}) "
+        "QUALIFY row_number() OVER (PARTITION BY seq ORDER BY policy_version NULLS LAST) = 1"
+    )
+    con.execute(
+        """
+        CREATE OR REPLACE VIEW live_reward AS
+        WITH newest AS (
+            SELECT * FROM feedback
+            QUALIFY row_number() OVER (PARTITION BY episode_id, source ORDER BY seq DESC) = 1
+        ), per_episode AS (
+            SELECT episode_id, max(policy_version) AS policy_version, avg(value) AS reward,
+                count(*) AS sources
+            FROM newest GROUP BY episode_id
+        )
+        SELECT policy_version,
+            count(*) AS episodes,
+            sum(sources)::BIGINT AS feedback,
+            avg(reward) AS reward_mean,
+            1.96 * coalesce(stddev_samp(reward), 0) / sqrt(count(*)) AS reward_ci95
+        FROM per_episode
+        GROUP BY policy_version
+        ORDER BY policy_version NULLS FIRST
+        """
+    )
+
+
+def live_reward(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Live reward per policy version (the `live_reward` view), one row each."""
+    return con.execute("SELECT * FROM live_reward").df()
 
 
 def _create_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
@@ -343,9 +439,13 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
 
 
 def connect(
-    root: Path, database: Path | Literal[":memory:"] | None = None
+    root: Path,
+    database: Path | Literal[":memory:"] | None = None,
+    archive: Path | str | None = None,
 ) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with the views exported_rows, transitions and episodes over `root`.
+    """A DuckDB connection with the views exported_rows, transitions and episodes over `root`,
+    and feedback and live_reward over its feedback export and `archive` (a production store's
+    archive folder; its batches as they are when connecting).
 
     `database` is the DuckDB file holding the views (and any table you add): by default
     `root/analytics.duckdb`; ":memory:" keeps nothing, and never contends for the file's lock
@@ -363,6 +463,7 @@ def connect(
             "connect with database=':memory:'"
         ) from exc
     _create_views(con, root)
+    _create_feedback_views(con, root, Path(archive) if archive is not None else None)
     return con
 
 

@@ -106,6 +106,20 @@ class OfflineBatch(BaseModel):
     unrewarded_ids: list[str] = Field(default_factory=list)
     # Episodes with feedback whose rollout was not passed.
     missing_ids: list[str] = Field(default_factory=list)
+    # The feedback rows that counted for the episodes trained on (analytics exports them).
+    feedback: list[Feedback] = Field(default_factory=list)
+
+    def feedback_rows(self) -> list[dict[str, Any]]:
+        """Its feedback rows, each with the policy version of its episode (analytics'
+        FEEDBACK_COLUMNS)."""
+        versions = {e["episode_id"]: e["policy_version"] for e in self.episodes}
+        return [
+            {
+                **f.model_dump(exclude={"comment", "metadata"}),
+                "policy_version": versions.get(f.episode_id),
+            }
+            for f in self.feedback
+        ]
 
     @property
     def mean_reward(self) -> float:
@@ -213,6 +227,7 @@ def episode_batch(
     batch = OfflineBatch()
     seen: set[str] = set()  # a rollout passed twice is one episode
     per_episode: list[tuple[float, list[Transition], dict[str, Any]]] = []
+    counted_of: dict[str, list[Feedback]] = {}
     for rollout in rollouts:
         episode_id = _episode_id(rollout)
         rows = by_episode.get(episode_id)
@@ -261,6 +276,7 @@ def episode_batch(
             "through_seq": max(r.seq for r in counted),
         }
         per_episode.append((reward, transitions, row))
+        counted_of[episode_id] = counted
     batch.missing_ids = sorted(set(by_episode) - seen)
 
     baseline = sum(r for r, _, _ in per_episode) / len(per_episode) if per_episode else 0.0
@@ -271,6 +287,7 @@ def episode_batch(
         row["advantage"] = reward - baseline
         batch.transitions.extend(transitions)
         batch.episodes.append(row)
+        batch.feedback.extend(counted_of[row["episode_id"]])
     return batch
 
 

@@ -30,6 +30,7 @@ calls starts its count again, an error only in the agent's favour.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,17 +55,24 @@ class _AttemptCalls:
 
 
 class CallSlot:
-    """One admitted call of an attempt; `release()` when it finishes (twice is harmless)."""
+    """One admitted call of an attempt; `release()` when it finishes (twice is harmless).
+    `ended` is called on release too (the store's count of an episode's calls in flight)."""
 
-    __slots__ = ("_calls",)
+    __slots__ = ("_calls", "_ended")
 
-    def __init__(self, calls: _AttemptCalls | None) -> None:
+    def __init__(
+        self, calls: _AttemptCalls | None, ended: Callable[[], None] | None = None
+    ) -> None:
         self._calls = calls
+        self._ended = ended
 
     def release(self) -> None:
         if self._calls is not None:
             self._calls.running -= 1
             self._calls = None
+        if self._ended is not None:
+            self._ended()
+            self._ended = None
 
 
 def chars_per_token(tokenizer: Any) -> int:
@@ -124,12 +132,31 @@ class CallLimits:
         )
 
     def admit(
-        self, rollout_id: str | None, attempt_id: str | None, capped: bool = True
+        self,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        capped: bool = True,
+        ended: Callable[[], None] | None = None,
     ) -> CallSlot:
         """Count one call of the attempt (none outside a rollout); 429 past its limits.
-        `capped`: whether max_calls applies (not to production episodes, see above)."""
+        `capped`: whether max_calls applies (not to production episodes, see above); `ended`
+        goes with the slot (CallSlot), or is called at once when the call is refused."""
+        try:
+            return self._admit(rollout_id, attempt_id, capped, ended)
+        except BaseException:
+            if ended is not None:
+                ended()
+            raise
+
+    def _admit(
+        self,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        capped: bool,
+        ended: Callable[[], None] | None,
+    ) -> CallSlot:
         if rollout_id is None:
-            return CallSlot(None)
+            return CallSlot(None, ended)
         key = (rollout_id, attempt_id or "")
         calls = self._attempts.get(key)
         if calls is None:
@@ -155,7 +182,7 @@ class CallLimits:
             )
         calls.started += 1
         calls.running += 1
-        return CallSlot(calls)
+        return CallSlot(calls, ended)
 
     def tracked_attempts(self) -> int:
         return len(self._attempts)

@@ -420,16 +420,16 @@ class Gateway(Routed):
         then count the call on its attempt (429 past the attempt's limits). Release the slot
         when the call has finished. Called once the request is known to be servable, so a
         refused call leaves no empty episode behind."""
+        ended = None  # an episode's call: feedback on the episode waits for it (episodes.py)
         if ctx.episode_id is not None and ctx.rollout_id is None and self.store is not None:
-            attempt = await self.store.open_episode(
+            attempt, ended = await self.store.open_episode_call(
                 ctx.episode_id,
                 agent_name=ctx.agent_name,
                 policy_version=request.adapter or self.backend.base_model,
             )
             ctx.rollout_id, ctx.attempt_id = attempt.rollout_id, attempt.attempt_id
-        # An episode's calls are not capped in number (limits.py): a user's long session is
-        # not a runaway loop, and refusing it would break that session in production.
-        return self.limits.admit(ctx.rollout_id, ctx.attempt_id, capped=ctx.episode_id is None)
+        # Episode calls are not capped in number (limits.py): a long session is no runaway loop.
+        return self.limits.admit(ctx.rollout_id, ctx.attempt_id, ctx.episode_id is None, ended)
 
     def _chat_choice(
         self, index: int, generated: Choice, tools: list[dict[str, Any]] | None

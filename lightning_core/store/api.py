@@ -19,6 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, TypeAdapter
 
 from lightning_core.store.bodies import (
+    ArchiveBody,
+    ArchiveReport,
     CompleteBody,
     Count,
     DequeueBody,
@@ -239,6 +241,16 @@ QUERY_FEEDBACK = Endpoint(
 FEEDBACK_WATERMARK = Endpoint(
     "feedback_watermark", "GET", "/feedback/watermark",
     calls="feedback_watermark", response=Watermark, wrap="seq", summary="Highest feedback seq",
+)
+
+# ------------------------------------------------------------------ retention
+
+# Repeatable: a repeat archives what is idle and still in the store, nothing twice. Admin only
+# (the middleware lets agent keys reach their own spans and the gateway, nothing else).
+ARCHIVE = Endpoint(
+    "archive", "POST", "/store/archive",
+    calls="archive_episodes", body=ArchiveBody, response=ArchiveReport,
+    summary="Archive idle production episodes",
 )
 
 # fmt: on

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from lightning_core.types import (
@@ -47,6 +47,13 @@ class SpanRecorder(Protocol):
         metadata: dict[str, Any] | None = None,
     ) -> Attempt:
         """The attempt recording production episode `episode_id`, created on first use."""
+        ...
+
+    async def open_episode_call(
+        self, episode_id: str, agent_name: str | None = None, policy_version: str | None = None
+    ) -> tuple[Attempt, Callable[[], None]]:
+        """open_episode for an LLM call, counted in flight on the episode until the function
+        returned is called (when the call has ended, just before its span is staged)."""
         ...
 
 

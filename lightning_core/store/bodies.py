@@ -158,3 +158,28 @@ class FeedbackQuery(BaseModel):
     )
     limit: PageLimit = None
     after: PageCursor = None
+
+
+class ArchiveBody(BaseModel):
+    older_than_days: float | None = Field(
+        None,
+        gt=0,
+        le=36_500,
+        description="Archive episodes idle for longer than this; null: the store's retention_days.",
+    )
+    max_episodes: int | None = Field(
+        None, ge=1, description="Archive at most this many (the oldest first); null: all."
+    )
+
+
+class ArchiveReport(BaseModel):
+    """What one archive run moved out of the store, and the store file around it."""
+
+    episodes: int = Field(description="Episodes moved to the archive.")
+    batches: list[str] = Field(description="The archive batches written, in order.")
+    rows: dict[str, int] = Field(description="Rows moved per table.")
+    cutoff: float = Field(description="Episodes idle since before this time were archived.")
+    folder: str = Field(description="The archive folder.")
+    seconds: float = Field(description="How long the archive took, checkpoint included.")
+    file_bytes_before: int = Field(description="The store's file and WAL before.")
+    file_bytes_after: int = Field(description="The store's file and WAL after the checkpoint.")

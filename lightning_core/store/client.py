@@ -37,6 +37,7 @@ from lightning_core.errors import LightningError, StoreUnavailable, error_from_a
 from lightning_core.security.keys import bearer_header
 from lightning_core.store import api
 from lightning_core.store.base import MAX_PAGE_SIZE, NEXT_PAGE_HEADER, AttemptSelector
+from lightning_core.store.bodies import ArchiveReport
 from lightning_core.types import (
     Attempt,
     Claim,
@@ -55,6 +56,7 @@ from lightning_core.types import (
 )
 
 log = logging.getLogger(__name__)
+ARCHIVE_TIMEOUT_S = 3600.0
 
 
 class _SpanBatcher:
@@ -415,6 +417,13 @@ class HttpStoreClient:
 
     async def feedback_watermark(self) -> int:
         return await self._ask(api.FEEDBACK_WATERMARK)
+
+    async def archive_episodes(
+        self, older_than_days: float | None = None, max_episodes: int | None = None
+    ) -> ArchiveReport:
+        body = {"older_than_days": older_than_days, "max_episodes": max_episodes}
+        # Minutes for a year of episodes (BENCHMARKS.md), not the seconds of a write.
+        return await self._ask(api.ARCHIVE, body=body, timeout=ARCHIVE_TIMEOUT_S)
 
     async def check(self) -> None:
         """Reach the store once, now: StoreUnavailable (or Unauthorized, for a refused key) at

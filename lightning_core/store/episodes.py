@@ -14,7 +14,9 @@ with the same rule as the rest of the store: a write returns once it is on disk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -38,6 +40,7 @@ from lightning_core.types import (
 )
 
 if TYPE_CHECKING:
+    from lightning_core.store.config import StoreConfig
     from lightning_core.store.worker import DatabaseWorker
 
 
@@ -58,6 +61,7 @@ class EpisodeStore:
     """Production episodes and feedback, on the state of the DuckDBStore it is part of."""
 
     # What it uses of the store (duckdb_store.py).
+    config: StoreConfig
     _rollouts: dict[str, Rollout]
     _attempts: dict[str, Attempt]
     _attempts_of: dict[str, list[str]]
@@ -84,6 +88,13 @@ class EpisodeStore:
         # (0: loaded from the file, on disk already).
         self._feedback: dict[tuple[str, str], tuple[Feedback, int]] = {}
         self._feedback_seq: int = state["feedback_seq"]
+        # Per episode (rollout id) with a call or feedback since the store started: when, so
+        # that an archive never takes an episode that became active while it chose (retention.py).
+        self._episode_active: dict[str, float] = {}
+        # Per episode (rollout id): its LLM calls the gateway is answering now, and, while
+        # feedback waits for them to end, the event that says they have (episode_call).
+        self._calls_in_flight: dict[str, int] = {}
+        self._calls_ended: dict[str, asyncio.Event] = {}
         for row in state["feedback"]:
             feedback = Feedback.model_validate(row)
             self._feedback[(feedback.episode_id, feedback.source)] = (feedback, 0)
@@ -147,6 +158,7 @@ class EpisodeStore:
             self._episode_written[rollout_id] = self._written
         elif rollout.mode is not RolloutMode.production:
             raise Conflict(f"rollout {rollout_id} exists and is not a production episode")
+        self._episode_active[rollout_id] = now()
         written = self._episode_written.get(rollout_id, 0)
         await self._sync(written)
         if written:
@@ -154,12 +166,54 @@ class EpisodeStore:
             self._episode_written.pop(rollout_id, None)
         return self._attempts[self._attempts_of[rollout_id][0]].model_copy()
 
+    async def open_episode_call(
+        self, episode_id: str, agent_name: str | None = None, policy_version: str | None = None
+    ) -> tuple[Attempt, Callable[[], None]]:
+        """open_episode for the gateway's LLM call on the episode, and the call counted in
+        flight until the function returned is called (episode_call)."""
+        attempt = await self.open_episode(episode_id, agent_name, policy_version)
+        return attempt, self.episode_call(attempt.rollout_id)
+
+    def episode_call(self, rollout_id: str) -> Callable[[], None]:
+        """Count an LLM call in flight on episode `rollout_id` until the function returned is
+        called (the gateway, once the call's span is staged, or the call failed); twice is
+        harmless. Feedback on the episode waits for its calls in flight (add_feedback)."""
+        self._calls_in_flight[rollout_id] = self._calls_in_flight.get(rollout_id, 0) + 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            left = self._calls_in_flight.pop(rollout_id) - 1
+            if left:
+                self._calls_in_flight[rollout_id] = left
+            elif (event := self._calls_ended.pop(rollout_id, None)) is not None:
+                event.set()
+
+        return end
+
+    async def _calls_done(self, rollout_id: str) -> None:
+        """Return once the episode has no call in flight, or after feedback_wait_s."""
+        if not self._calls_in_flight.get(rollout_id):
+            return
+        event = self._calls_ended.setdefault(rollout_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), self.config.feedback_wait_s)
+
     async def add_feedback(self, episode_id: str, feedback: FeedbackIn) -> FeedbackReceipt:
         """Record a reward for an episode; one value counts per (episode, source), the newest.
         The same value and comment again is "unchanged" (no new row): a resent feedback is
-        recorded once."""
+        recorded once.
+
+        Feedback that arrives while a call of the episode is in flight waits for the call's span
+        (up to feedback_wait_s): its seq then comes after the span, and it returns once both
+        are on disk, so a training run that reads the feedback finds the episode whole."""
         self._start_background()
         self._episode(episode_id)
+        await self._calls_done(episode_rollout_id(episode_id))
+        self._episode(episode_id)  # archived while it waited: unknown now
         key = (episode_id, feedback.source)
         current = self._feedback.get(key)
         if current is not None:
@@ -181,6 +235,7 @@ class EpisodeStore:
         )
         self._log(schema.FEEDBACK, schema.feedback_row(row))
         self._feedback[key] = (row, self._written)
+        self._episode_active[episode_rollout_id(episode_id)] = t
         await self._sync()
         status = "recorded" if current is None else "replaced"
         return FeedbackReceipt(feedback=row.model_copy(deep=True), status=status)

@@ -174,9 +174,26 @@ LATEST_FEEDBACK = (
     "QUALIFY row_number() OVER (PARTITION BY episode_id, source ORDER BY seq DESC) = 1"
 )
 
+# One row per batch of episodes moved to the archive (archive.py), written in the transaction
+# that deletes them from the store. It says which archive folders are complete (a folder without
+# its row is finished at the next start), and it keeps the counters: once the newest rows are
+# archived, the next log_seq, span sequence_id and feedback seq still come after theirs, so a
+# watermark a training run took is never handed out again.
+ARCHIVE_BATCHES = Table(
+    "archive_batches",
+    (
+        ("batch", "VARCHAR"),
+        ("archived_at", "DOUBLE"),
+        ("episodes", "BIGINT"),
+        ("log_seq", "BIGINT"),
+        ("span_seq", "BIGINT"),
+        ("feedback_seq", "BIGINT"),
+    ),
+)
+
 # Tables are created with CREATE TABLE IF NOT EXISTS, so a table added since a release (feedback)
 # is simply created in a database made before it.
-TABLES = (ROLLOUT_LOG, ATTEMPT_LOG, SPANS, TRANSITIONS, POLICY_VERSIONS, FEEDBACK)
+TABLES = (ROLLOUT_LOG, ATTEMPT_LOG, SPANS, TRANSITIONS, POLICY_VERSIONS, FEEDBACK, ARCHIVE_BATCHES)
 # Columns added since a table was first released, for databases created before them: added
 # last, so that positional inserts line up.
 MIGRATIONS = (

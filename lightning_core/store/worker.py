@@ -9,7 +9,9 @@ them without parsing.
 Protocol: length-prefixed pickle frames on the child's stdin/stdout, `(request_id, op, payload)`
 one way and `(request_id, ok, result)` the other. Requests: `commit` (rows per table, one
 transaction), `query` (SQL and parameters; the answer is a JSON array of row objects whose JSON
-columns are embedded as JSON, and, for a page, the cursor of the next one) and `close`. The
+columns are embedded as JSON, and, for a page, the cursor of the next one), `archive` (a batch of
+episodes moved to Parquet, archive.py), `checkpoint` and `close`. Commits, archives and
+checkpoints run one after another on one writer thread, in the order they were asked. The
 child answers a commit only after DuckDB has committed (and fsynced) it, and exits when its
 stdin closes, so it never outlives its store.
 """
@@ -64,25 +66,36 @@ def _read_frame(inp: BinaryIO) -> Any | None:
 # __init__ imports it first).
 _CHILD_ENTRY = (
     "import sys; from lightning_core.store.worker import child_main; "
-    "sys.exit(child_main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))"
+    "sys.exit(child_main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))"
 )
 
 
 class DatabaseWorker:
     """Handle on the worker process; `state` holds what the store needs to start from."""
 
-    def __init__(self, db: str, threads: int = 1, open_timeout_s: float = OPEN_TIMEOUT_S):
+    def __init__(
+        self,
+        db: str,
+        threads: int = 1,
+        open_timeout_s: float = OPEN_TIMEOUT_S,
+        archive_dir: str | None = None,
+    ):
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (package_root, os.environ.get("PYTHONPATH")) if p
         )}  # fmt: skip
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD_ENTRY, db, str(threads), str(open_timeout_s)],
+            [sys.executable, "-c", _CHILD_ENTRY, db, str(threads), str(open_timeout_s),
+             archive_dir or ""],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
         )  # fmt: skip
         self._send_lock = threading.Lock()
+        # Requests go out through a thread of their own: a commit of 500 spans is 2.5 MB, and a
+        # pipe takes 64 KB at a time, so writing it on the event loop stalled every request
+        # until the worker had read it all (profiled under load: 7 % of the server's time).
+        self._outbox: queue.SimpleQueue[tuple[int, str, Any] | None] = queue.SimpleQueue()
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._next_id = 1
         self._dead: str | None = None
@@ -95,6 +108,18 @@ class DatabaseWorker:
         self._reader = threading.Thread(target=self._read_answers, daemon=True,
                                         name="lightning-store-worker-reader")  # fmt: skip
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_requests, daemon=True,
+                                        name="lightning-store-worker-sender")  # fmt: skip
+        self._sender.start()
+
+    def _send_requests(self) -> None:
+        while (request := self._outbox.get()) is not None:
+            try:
+                _write_frame(self._proc.stdin, self._send_lock, request)
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                loop, future = self._pending.pop(request[0], (None, None))
+                if future is not None:
+                    _settle_from_thread(loop, future, False, f"its worker is gone: {exc}")
 
     def _read_answers(self) -> None:
         while (frame := _read_frame(self._proc.stdout)) is not None:
@@ -115,16 +140,30 @@ class DatabaseWorker:
         request_id = self._next_id
         self._next_id += 1
         self._pending[request_id] = (loop, future)
-        try:
-            _write_frame(self._proc.stdin, self._send_lock, (request_id, op, payload))
-        except (BrokenPipeError, ValueError) as exc:
-            self._pending.pop(request_id, None)
-            raise StoreUnavailable(f"the store's database worker is gone: {exc}") from exc
+        self._outbox.put((request_id, op, payload))
         return await future
 
     async def commit(self, rows: dict[str, list[tuple[Any, ...]]]) -> None:
         """Append rows to tables in one transaction; returns once it is on disk."""
         await self._request("commit", rows)
+
+    async def archive(
+        self,
+        archive_dir: str,
+        batch: str,
+        rollout_ids: list[str],
+        bounds: dict[str, int],
+        archived_at: float,
+    ) -> dict[str, int]:
+        """Move these episodes' rows up to `bounds` into archive batch `batch` (archive.py);
+        returns the rows moved per table."""
+        return await self._request(
+            "archive", (archive_dir, batch, rollout_ids, bounds, archived_at)
+        )
+
+    async def checkpoint(self) -> None:
+        """Write the WAL into the file and give back the blocks of deleted rows."""
+        await self._request("checkpoint", None)
 
     async def query(self, sql: str, params: list[Any]) -> bytes:
         """Run a read query; the answer is a JSON array of row objects."""
@@ -141,6 +180,8 @@ class DatabaseWorker:
 
     def close(self, timeout: float = 60.0) -> None:
         """Let the worker finish its commits, close the file and exit."""
+        self._outbox.put(None)
+        self._sender.join(timeout=timeout)
         with contextlib.suppress(BrokenPipeError, ValueError, OSError):
             self._proc.stdin.close()
         try:
@@ -202,14 +243,18 @@ def _load(con) -> dict[str, Any]:
         columns = [d[0] for d in cursor.description]
         return [schema.row_dict(columns, row) for row in cursor.fetchall()]
 
-    log_seq = con.execute(
+    # The archive's counters count too: the newest rows may have been archived (archive.py).
+    log_seq, span_seq, feedback_seq = con.execute(
         "SELECT greatest((SELECT max(log_seq) FROM rollout_log), "
-        "(SELECT max(log_seq) FROM attempt_log))"
-    ).fetchone()[0]
-    feedback_seq = con.execute("SELECT max(seq) FROM feedback").fetchone()[0] or 0
+        "(SELECT max(log_seq) FROM attempt_log), (SELECT max(log_seq) FROM archive_batches)), "
+        "greatest((SELECT max(sequence_id) FROM spans), "
+        "(SELECT max(span_seq) FROM archive_batches)), "
+        "greatest((SELECT max(seq) FROM feedback), (SELECT max(feedback_seq) FROM archive_batches))"
+    ).fetchone()
+    feedback_seq = feedback_seq or 0
     return {
         "log_seq": log_seq or 0,
-        "span_seq": con.execute("SELECT max(sequence_id) FROM spans").fetchone()[0] or 0,
+        "span_seq": span_seq or 0,
         # In the order the store first saw them, as it keeps them: pages of a query resume at a
         # position in that order, also after a restart.
         "rollouts": rows(
@@ -224,11 +269,11 @@ def _load(con) -> dict[str, Any]:
     }
 
 
-def child_main(db: str, threads: int, open_timeout_s: float) -> int:
+def child_main(db: str, threads: int, open_timeout_s: float, archive_dir: str = "") -> int:
     """The worker process: owns the DuckDB file until its stdin closes."""
     import orjson
 
-    from lightning_core.store import schema
+    from lightning_core.store import archive, schema
 
     # Frames own stdout; anything a library prints goes to stderr instead.
     out = os.fdopen(os.dup(1), "wb")
@@ -251,6 +296,9 @@ def child_main(db: str, threads: int, open_timeout_s: float) -> int:
             con.execute(migration)
         for view in schema.VIEWS:
             con.execute(view)
+        if archive_dir:
+            # Before loading: a batch an archive was killed in must not be loaded as live too.
+            archive.recover(con, Path(archive_dir))
         _write_frame(out, lock, (0, True, _load(con)))
     except Exception as exc:
         _write_frame(
@@ -262,13 +310,25 @@ def child_main(db: str, threads: int, open_timeout_s: float) -> int:
         return 3
 
     tables = {t.name: t for t in schema.TABLES}
-    writes: queue.Queue[tuple[int, dict[str, list[tuple[Any, ...]]]] | None] = queue.Queue()
+    writes: queue.Queue[tuple[int, str, Any] | None] = queue.Queue()
     local = threading.local()
 
     def write_loop() -> None:
         cursor = con.cursor()
         while (item := writes.get()) is not None:
-            request_id, batch = item
+            request_id, op, batch = item
+            if op != "commit":
+                try:
+                    if op == "archive":
+                        folder, name, ids, bounds, at = batch
+                        result = archive.archive_batch(cursor, Path(folder), name, ids, bounds, at)
+                    else:
+                        result = archive.checkpoint(cursor)
+                except Exception as exc:
+                    _write_frame(out, lock, (request_id, False, repr(exc)))
+                    continue
+                _write_frame(out, lock, (request_id, True, result))
+                continue
             statements = ["BEGIN"]
             try:
                 for name, rows in batch.items():
@@ -316,8 +376,8 @@ def child_main(db: str, threads: int, open_timeout_s: float) -> int:
     readers = ThreadPoolExecutor(2, thread_name_prefix="reader")
     while (frame := _read_frame(inp)) is not None:
         request_id, op, payload = frame
-        if op == "commit":
-            writes.put((request_id, payload))
+        if op in ("commit", "archive", "checkpoint"):
+            writes.put((request_id, op, payload))
         elif op == "query":
             readers.submit(query, request_id, *payload)
     # stdin closed: the store closed, or its process died. Finish what was asked, then close
