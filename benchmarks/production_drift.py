@@ -187,7 +187,7 @@ class Demo:
         live = {
             "poll_s": s.poll_s,
             "canary_fraction": s.canary_fraction,
-            "gate": {"min_episodes": s.gate_min_episodes},
+            "gate": {"min_episodes": s.gate_min_episodes, "tau": s.gate_tau},
         }
         weeks: list[dict[str, Any]] = []
         with ExitStack() as stack:

@@ -23,12 +23,13 @@ class DriftSettings(BaseModel):
     )
     drift_end: float = Field(1.0, ge=0, le=1, description="Share of drifted questions last week.")
     episodes_per_week: int = Field(
-        80,
+        120,
         ge=1,
-        description="User episodes a week, each answered by the loop and the frozen "
-        "champion (the same question: paired).",
+        description="User episodes a week, each answered by the loop and the frozen champion "
+        "(the same question: paired). Enough that a canary's live gate can decide within the "
+        "week: the next week's retrained version replaces an undecided canary.",
     )
-    concurrency: int = Field(4, ge=1, description="Users calling at the same time.")
+    concurrency: int = Field(6, ge=1, description="Users calling at the same time.")
     temperature: float = Field(
         0.7,
         ge=0,
@@ -75,6 +76,13 @@ class DriftSettings(BaseModel):
     )
     gate_min_episodes: int = Field(
         15, ge=2, description="Episodes with feedback each arm needs before the live gate decides."
+    )
+    gate_tau: float = Field(
+        0.3,
+        gt=0,
+        description="Scale of the differences the live gate is tuned to find (LiveGateConfig."
+        "tau, 0.1 by default): drift moves success by tens of points, and a test tuned to that "
+        "decides on a week's feedback where one tuned to 0.1 would wait for hundreds.",
     )
     poll_s: float = Field(
         2.0, gt=0, description="Seconds between the production server's looks at the registry."
