@@ -12,9 +12,10 @@ Splits are made disjoint by question text: a test question never appears in trai
 
 `fresh_tasks(size, seed)` makes new arithmetic tasks, as a week of new training data would be:
 each seed its own stream, none of them a question of the test or train split. Its `drift` (0 to
-1) is the share of *drifted* tasks: 3 or 4 operands of 100 to 999, as users whose questions move
-away from the splits' small numbers would ask (benchmarks/production_drift.py). As a command, it
-prints them as JSON lines for a task table:
+1) is the share of *drifted* tasks: 3 or 4 operands of 100 to 999, the operators in words
+("What is 412 times 170 minus 305?"), as users whose questions move away from the splits' would
+ask (benchmarks/production_drift.py). As a command, it prints them as JSON lines for a task
+table:
 
     python -m lightning_rl.agents.calc.fresh --fresh 200 --seed 1 [--drift 0.5] | \
         lightning-rl data add-tasks runs/data/calc-tasks -
@@ -63,10 +64,15 @@ def _generated_expression(rng: random.Random) -> str:
             return expression
 
 
+# Operators as users write them in words: the splits only ever show the symbols.
+_SPOKEN = {"+": "plus", "-": "minus", "*": "times"}
+
+
 def _drifted_expression(rng: random.Random) -> str:
-    """3 or 4 operands of 100-999 with + - *, sometimes a parenthesised pair: never a split's
-    question (their operands are at most 60), and longer numbers to copy into the calculator
-    and back out of it than the week-0 champion saw."""
+    """3 or 4 operands of 100-999 with + - * (no parentheses: in words they would be
+    ambiguous); asked in words (`_spoken`), so the agent must write the calculator's expression
+    itself rather than copy it: what the week-0 champion never saw. Never a split's question
+    (those use symbols and operands of at most 60)."""
     terms = rng.choice((3, 4))
     while True:
         nums = [rng.randint(100, 999) for _ in range(terms)]
@@ -74,13 +80,15 @@ def _drifted_expression(rng: random.Random) -> str:
         parts = [str(nums[0])]
         for op, n in zip(ops, nums[1:], strict=True):
             parts += [op, str(n)]
-        if rng.random() < 0.5:
-            start = 2 * rng.randrange(terms - 1)
-            parts = [*parts[:start], "(", *parts[start : start + 3], ")", *parts[start + 3 :]]
-        expression = " ".join(parts).replace("( ", "(").replace(" )", ")")
+        expression = " ".join(parts)
         # Two products of 3-digit numbers stay below 10**9; a bound keeps answers readable.
         if abs(evaluate(expression)) < 10**7:
             return expression
+
+
+def _spoken(expression: str) -> str:
+    """`_drifted_expression`'s expression in words: "120 * 7 - 3" -> "120 times 7 minus 3"."""
+    return " ".join(_SPOKEN.get(part, part) for part in expression.split())
 
 
 def _arithmetic(split: Split, size: int) -> list[dict[str, Any]]:
@@ -173,7 +181,7 @@ def fresh_tasks(size: int, seed: int, drift: float = 0.0) -> list[dict[str, Any]
     while len(tasks) < size:
         drifted = drift > 0 and drifts.random() < drift
         expression = _drifted_expression(rng) if drifted else _generated_expression(rng)
-        question = rng.choice(_PHRASES).format(e=expression)
+        question = rng.choice(_PHRASES).format(e=_spoken(expression) if drifted else expression)
         if question in taken:
             continue
         taken.add(question)
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fresh", type=int, required=True, metavar="N", help="tasks to make")
     parser.add_argument("--seed", type=int, default=0, help="stream of tasks (one per week, say)")
     parser.add_argument(
-        "--drift", type=float, default=0.0, help="share of drifted tasks (3-4 operands of 100-999)"
+        "--drift", type=float, default=0.0, help="share of drifted tasks (operators in words)"
     )
     args = parser.parse_args(argv)
     if args.fresh < 1:

@@ -18,8 +18,9 @@ class DriftSettings(BaseModel):
         0.25,
         ge=0,
         le=1,
-        description="Share of drifted questions in week 1 (3-4 operands of "
-        "100-999, agents/calc/data.py); it grows linearly to drift_end in the last week.",
+        description="Share of drifted questions in week 1 (3-4 operands of 100-999, the "
+        "operators in words: agents/calc/data.py); it grows linearly to drift_end in the last "
+        "week.",
     )
     drift_end: float = Field(1.0, ge=0, le=1, description="Share of drifted questions last week.")
     episodes_per_week: int = Field(
