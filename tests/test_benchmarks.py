@@ -28,6 +28,7 @@ ELSEWHERE = {
     "fuzz": "tests/test_fuzz.py",
     "gpu_check": "tests/test_gpu_check.py",
     "fault_matrix": "tests/test_faults.py",
+    "production_drift": "tests/test_production_drift.py",
 }
 # Modules the scripts import, with nothing to run of their own.
 HELPERS = {"workload", "quick_train"}

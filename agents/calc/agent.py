@@ -70,8 +70,9 @@ def _example() -> list[Any]:
     ]
 
 
-def model_client(llm: Any) -> OpenAIChatCompletionClient:
-    """AutoGen's OpenAI client for an endpoint with `base_url`, `model`, `api_key`, `sampling`."""
+def model_client(llm: Any, headers: dict[str, str] | None = None) -> OpenAIChatCompletionClient:
+    """AutoGen's OpenAI client for an endpoint with `base_url`, `model`, `api_key`, `sampling`;
+    `headers` go on every call (a production user's episode id, say)."""
     sampling = {k: v for k, v in (getattr(llm, "sampling", None) or {}).items() if v is not None}
     sampling.setdefault("max_tokens", MAX_TOKENS)
     return OpenAIChatCompletionClient(
@@ -79,7 +80,7 @@ def model_client(llm: Any) -> OpenAIChatCompletionClient:
         base_url=llm.base_url,
         api_key=llm.api_key,
         model_info=_MODEL_INFO,
-        default_headers={"X-Lightning-Agent": AGENT_NAME},
+        default_headers={"X-Lightning-Agent": AGENT_NAME, **(headers or {})},
         **sampling,
     )
 
@@ -98,9 +99,9 @@ def build_agent(client: OpenAIChatCompletionClient) -> AssistantAgent:
     )
 
 
-async def solve(question: str, llm: Any) -> str:
+async def solve(question: str, llm: Any, headers: dict[str, str] | None = None) -> str:
     """The agent's final reply to a question."""
-    client = model_client(llm)
+    client = model_client(llm, headers)
     try:
         result = await build_agent(client).run(task=question)
     finally:

@@ -11,10 +11,13 @@ A task is a plain dict `{"id", "question", "answer", "source"}`: the agent needs
 Splits are made disjoint by question text: a test question never appears in train.
 
 `fresh_tasks(size, seed)` makes new arithmetic tasks, as a week of new training data would be:
-each seed its own stream, none of them a question of the test or train split. As a command, it
-prints them as JSON lines for a task table:
+each seed its own stream, none of them a question of the test or train split. Its `drift` (0 to
+1) is the share of *drifted* tasks: 3 or 4 operands of 100 to 999, the operators in words
+("What is 412 times 170 minus 305?"), as users whose questions move away from the splits' would
+ask (benchmarks/production_drift.py). As a command, it prints them as JSON lines for a task
+table:
 
-    python -m lightning_rl.agents.calc.fresh --fresh 200 --seed 1 | \
+    python -m lightning_rl.agents.calc.fresh --fresh 200 --seed 1 [--drift 0.5] | \
         lightning-rl data add-tasks runs/data/calc-tasks -
 """
 
@@ -59,6 +62,33 @@ def _generated_expression(rng: random.Random) -> str:
         value = evaluate(expression)
         if float(value).is_integer() and abs(value) < 10_000:
             return expression
+
+
+# Operators as users write them in words: the splits only ever show the symbols.
+_SPOKEN = {"+": "plus", "-": "minus", "*": "times"}
+
+
+def _drifted_expression(rng: random.Random) -> str:
+    """3 or 4 operands of 100-999 with + - * (no parentheses: in words they would be
+    ambiguous); asked in words (`_spoken`), so the agent must write the calculator's expression
+    itself rather than copy it: what the week-0 champion never saw. Never a split's question
+    (those use symbols and operands of at most 60)."""
+    terms = rng.choice((3, 4))
+    while True:
+        nums = [rng.randint(100, 999) for _ in range(terms)]
+        ops = [rng.choice("+-*") for _ in range(terms - 1)]
+        parts = [str(nums[0])]
+        for op, n in zip(ops, nums[1:], strict=True):
+            parts += [op, str(n)]
+        expression = " ".join(parts)
+        # Two products of 3-digit numbers stay below 10**9; a bound keeps answers readable.
+        if abs(evaluate(expression)) < 10**7:
+            return expression
+
+
+def _spoken(expression: str) -> str:
+    """`_drifted_expression`'s expression in words: "120 * 7 - 3" -> "120 times 7 minus 3"."""
+    return " ".join(_SPOKEN.get(part, part) for part in expression.split())
 
 
 def _arithmetic(split: Split, size: int) -> list[dict[str, Any]]:
@@ -131,20 +161,27 @@ FRESH_TEST_GUARD = 1000
 FRESH_TRAIN_GUARD = 2000
 
 
-def fresh_tasks(size: int, seed: int) -> list[dict[str, Any]]:
-    """`size` new arithmetic tasks, the same for the same seed, never a test or train question."""
+def fresh_tasks(size: int, seed: int, drift: float = 0.0) -> list[dict[str, Any]]:
+    """`size` new arithmetic tasks, the same for the same seed (and drift), never a test or
+    train question; a share `drift` of them drifted (`_drifted_expression`, source
+    `arithmetic-drift`)."""
     if size < 1:
         raise ValueError(f"size must be at least 1, not {size}")
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"drift must be between 0 and 1, not {drift}")
     # load_tasks("test", n) draws from the first 2n items of the test stream, and train from
     # the first n of its own: excluding those prefixes covers every split up to the guards.
     taken = {t["question"] for t in _arithmetic("test", 2 * FRESH_TEST_GUARD)}
     taken |= {t["question"] for t in _arithmetic("train", FRESH_TRAIN_GUARD)}
     # A string seed picks a stream of its own, apart from the splits' integer seeds.
     rng = random.Random(f"calc-fresh-{seed}")
+    # Its own stream decides which tasks drift, so that drift=0 keeps the stream it always had.
+    drifts = random.Random(f"calc-drift-{seed}")
     tasks: list[dict[str, Any]] = []
     while len(tasks) < size:
-        expression = _generated_expression(rng)
-        question = rng.choice(_PHRASES).format(e=expression)
+        drifted = drift > 0 and drifts.random() < drift
+        expression = _drifted_expression(rng) if drifted else _generated_expression(rng)
+        question = rng.choice(_PHRASES).format(e=_spoken(expression) if drifted else expression)
         if question in taken:
             continue
         taken.add(question)
@@ -153,7 +190,7 @@ def fresh_tasks(size: int, seed: int) -> list[dict[str, Any]]:
                 "id": f"arithmetic-fresh{seed}-{len(tasks)}",
                 "question": question,
                 "answer": int(evaluate(expression)),
-                "source": "arithmetic",
+                "source": "arithmetic-drift" if drifted else "arithmetic",
             }
         )
     return tasks
@@ -166,8 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--fresh", type=int, required=True, metavar="N", help="tasks to make")
     parser.add_argument("--seed", type=int, default=0, help="stream of tasks (one per week, say)")
+    parser.add_argument(
+        "--drift", type=float, default=0.0, help="share of drifted tasks (operators in words)"
+    )
     args = parser.parse_args(argv)
     if args.fresh < 1:
         parser.error(f"--fresh must be at least 1, not {args.fresh}")
-    for task in fresh_tasks(args.fresh, args.seed):
+    if not 0.0 <= args.drift <= 1.0:
+        parser.error(f"--drift must be between 0 and 1, not {args.drift}")
+    for task in fresh_tasks(args.fresh, args.seed, args.drift):
         sys.stdout.write(json.dumps(task) + "\n")

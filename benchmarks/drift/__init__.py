@@ -1,0 +1,1 @@
+"""The drift demonstration's parts (benchmarks/production_drift.py runs them)."""
