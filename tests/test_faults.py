@@ -270,6 +270,7 @@ def _rows(n: int, reward: float) -> list[dict[str, Any]]:
             "tool_calls": 1,
             "tool_errors": 0,
             "policy_version": f"run-v{i}",
+            "prefix_break": None,  # each row is its agent's first call
         }
         for i in range(n)
     ]
