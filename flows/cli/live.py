@@ -9,14 +9,13 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
-import httpx
 import typer
 
 from lightning_core.errors import LightningError
-from lightning_core.serving.process import die_with_parent, stop_serve
+from lightning_core.serving.process import die_with_parent, stop_serve, wait_healthy
 from lightning_rl.registry.alias_webhook import (
     delivers_webhooks,
     register_alias_webhook,
@@ -29,20 +28,6 @@ from lightning_rl.registry.webhook import MLFLOW_PATH, ReloadHook
 
 # The base model loads in seconds; a busy machine (or the first download) takes minutes.
 _START_TIMEOUT_S = 600.0
-
-
-def _wait_up(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise LightningError(f"the production server exited ({proc.returncode}) at start")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise LightningError(f"the production server did not answer within {_START_TIMEOUT_S:.0f} s")
 
 
 def run_following(
@@ -65,7 +50,15 @@ def run_following(
         signal.signal(sig, lambda *_: proc.poll() is None and proc.send_signal(signal.SIGINT))
     follower = hook = webhook_id = None
     try:
-        _wait_up(proc, server_url)
+        where = urlsplit(server_url)
+        wait_healthy(
+            proc,
+            where.port,
+            _START_TIMEOUT_S,
+            "the production server",
+            LightningError,
+            where.hostname,
+        )
         follower = AliasFollower(registry, live, server_url, key, adapters, base_model)
         follower.follow()  # serving what the aliases say before any look of the loop
         if live.webhook_port is not None:

@@ -82,9 +82,7 @@ class Routing(BaseModel):
         if challenger is None or episode_id is None:
             return self.champion
         return (
-            challenger
-            if in_canary(episode_id, challenger, self.canary_fraction)
-            else (self.champion)
+            challenger if in_canary(episode_id, challenger, self.canary_fraction) else self.champion
         )
 
 

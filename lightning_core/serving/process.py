@@ -132,15 +132,17 @@ def wait_healthy(
     timeout: float,
     what: str,
     error: type[LightningError] = StoreUnavailable,
+    host: str = "127.0.0.1",
 ) -> None:
-    """Return once the server `proc` answers on 127.0.0.1:`port`/health; `error` (the
-    server's log tail in it) when it exits first or does not answer in time, killed then."""
+    """Return once the server `proc` answers on `host`:`port`/health; `error` (the server's
+    log tail in it, where it has a log file) when it exits first or does not answer in time,
+    killed then."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise error(f"{what} exited ({proc.returncode}): {_tail(proc)}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1):
                 return
         except OSError:
             time.sleep(0.1)
@@ -161,8 +163,12 @@ def stop_serve(proc: subprocess.Popen, timeout: float = 30.0) -> int:
 
 
 def _tail(proc: subprocess.Popen, lines: int = 20) -> str:
+    # A server started with its output on the terminal (`production`) has no log file.
+    log_path = getattr(proc, "log_path", None)
+    if log_path is None:
+        return "(its output is above)"
     try:
-        text = Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+        text = Path(log_path).read_text(errors="replace")
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
