@@ -83,12 +83,18 @@ docs: setup-dev
 docs-serve: setup-dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
+# Two pytest-xdist workers, one test file each at a time (--dist loadfile: a module's shared
+# servers start once): most of a test's time is waiting on its servers, so one worker leaves
+# a core idle. TEST_WORKERS=0 runs them in this process, one at a time.
 # --durations=25: the slowest tests stay in sight of whoever reads the output (CI's budget).
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+
 test: setup-dev
-	$(BIN)/python -m pytest -q -ra --durations=25
+	$(PYTEST) --durations=25
 
 test-fast: setup-dev
-	$(BIN)/python -m pytest -q -ra -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: setup-dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

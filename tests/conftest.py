@@ -25,6 +25,16 @@ from lightning_core.store.duckdb_store import DuckDBStore
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+# Each test process gets a PREFECT_HOME of its own, set before anything imports Prefect (which
+# reads it once): `make test` runs two pytest-xdist workers, and on one shared home their
+# temporary Prefect servers would share one SQLite database and the `gpu` slot records of
+# flows/gpu_slot.py would make one worker's training wait for the other's. It also keeps the
+# tests out of the user's own ~/.prefect. Removed at exit (_stop_prefects_own_server).
+_PREFECT_HOME = tempfile.mkdtemp(
+    prefix=f"prefect-home-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"
+)
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+
 
 class ThreadedServer:
     """uvicorn serving an app on 127.0.0.1 from a background thread (its own event loop)."""
@@ -242,12 +252,12 @@ def _stop_prefects_own_server() -> Iterator[None]:
     error ---" traceback after its summary line. Stopped here, at the end of the session, its
     last logs and events sent first (as flows/prefect_server.py does for a flow's server)."""
     yield
-    if "prefect.server.api.server" not in sys.modules:
-        return  # none was started
-    from prefect.server.api.server import SubprocessASGIServer
+    if "prefect.server.api.server" in sys.modules:
+        from prefect.server.api.server import SubprocessASGIServer
 
-    from lightning_rl.flows.prefect_server import flush_to_server
+        from lightning_rl.flows.prefect_server import flush_to_server
 
-    flush_to_server()
-    for server in list(SubprocessASGIServer._instances.values()):
-        server.stop()
+        flush_to_server()
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()
+    shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
