@@ -93,8 +93,11 @@ class Demo:
         path = self.out / "state" / f"{name}.json"
         path.write_text(json.dumps(_merge(base, config), indent=1))
         started = time.monotonic()
+        # A run takes minutes and logs to its file: say where, so the wait is not silent.
+        log = self.out / "state" / f"{name}.log"
+        print(f"{name}: training (log: {log}, progress: {self.out / 'runs' / name})", flush=True)
         command = train_command("--config", str(path), "--quiet")
-        run_logged(command, self.env, self.out / "state" / f"{name}.log", f"training run {name}")
+        run_logged(command, self.env, log, f"training run {name}")
         summary = self.out / "runs" / name / "summary.json"
         print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
         return json.loads(summary.read_text()) if summary.exists() else None
@@ -203,6 +206,7 @@ class Demo:
                     s.episodes_per_week, seed=1000 * s.seed + week, drift=s.drift(week)
                 )
                 t0 = time.monotonic()
+                print(f"week {week}: {len(tasks)} users, drift {s.drift(week):.2f}", flush=True)
                 users = asyncio.run(run_week(week, tasks, loop, frozen, s))
                 late = users.late
                 # Two looks of the follower: the live gate has seen this week's feedback.

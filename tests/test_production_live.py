@@ -47,6 +47,7 @@ from lightning_rl.registry.names import (
     TAG_ROLLBACK_REASON,
 )
 from lightning_rl.registry.versions import promote
+from tests.conftest import use_prefect_server
 from tests.helpers import wait_healthy
 from tests.test_registry import make_adapter, register
 from tests.test_registry_faults import MlflowServer
@@ -351,3 +352,58 @@ def test_the_loop_through_polling_a_sqlite_registry(adapter, tmp_path, monkeypat
     registry = _use(monkeypatch, f"sqlite:///{tmp_path / 'mlflow.db'}", "live-polling")
     swap_s = _closed_loop(tmp_path, registry, adapter, {**LIVE, "poll_s": 1})
     print(f"promotion_to_serving_s (SQLite, polling every 1 s): {swap_s:.2f}")
+
+
+def test_a_prefect_automation_on_the_registry_events_reloads_the_server(
+    adapter, tmp_path, monkeypatch, prefect_test_server
+):
+    """The Prefect path, set up as docs/production.md shows it: a Webhook block calling the
+    production server's reload hook and an automation on the registry's `lightning.model.*`
+    events, on a real Prefect server (its triggers and actions services). A promotion emits
+    `lightning.model.promoted`; polling every 5 minutes, only the automation can bring the
+    swap within SWAP_DEADLINE_S."""
+    from prefect.automations import Automation
+    from prefect.blocks.webhook import Webhook
+    from prefect.events.actions import CallWebhook
+    from prefect.events.schemas.automations import EventTrigger
+
+    registry = _use(monkeypatch, f"sqlite:///{tmp_path / 'mlflow.db'}", "live-automation")
+    name, port = registry.registered_model, free_port()
+    v1, v2 = version_name(name, "1"), version_name(name, "2")
+    assert register(registry, adapter, "p1", 0.5).promote
+    assert not register(registry, adapter, "p2", 0.5).promote  # no gain: promoted below
+    production = Production(
+        tmp_path, registry, {"poll_s": 300, "webhook_port": port, "webhook_secret": SECRET}
+    )
+    try:
+        production.wait_routing(lambda r: r["champion"] == v1, "the first champion")
+        with use_prefect_server(prefect_test_server):
+            hook = Webhook(
+                method="POST",
+                url=f"http://127.0.0.1:{port}/hooks/reload",
+                headers={"X-Lightning-Reload-Secret": SECRET},
+                allow_private_urls=True,
+            )
+            automation = Automation(
+                name=f"reload {name}",
+                trigger=EventTrigger(
+                    expect={"lightning.model.*"},
+                    # This model's events only: the shared server sees other tests' too.
+                    match={"mlflow.registered_model": name},
+                    posture="Reactive",
+                    threshold=1,
+                ),
+                actions=[CallWebhook(block_document_id=hook.save(f"reload-{name}"))],
+            ).create()
+            try:
+                moved = time.monotonic()
+                assert promote(registry.model_copy(update={"promotion_margin": 0.0}), "2").promote
+                production.wait_routing(lambda r: r["champion"] == v2, "v2, by the automation")
+                swap_s = time.monotonic() - moved
+                assert production.call(f"{name}-after") == v2
+            finally:
+                automation.delete()
+    finally:
+        production.stop()
+    assert swap_s <= SWAP_DEADLINE_S, swap_s
+    print(f"promotion_to_serving_s (Prefect automation): {swap_s:.2f}")
