@@ -202,17 +202,16 @@ class Demo:
             before = versions(self.registry)
             for week in range(1, s.weeks + 1):
                 send_late(loop, late)  # last week's late feedback arrives now
-                tasks = fresh_tasks(
-                    s.episodes_per_week, seed=1000 * s.seed + week, drift=s.drift(week)
-                )
+                drift = s.drift(week)
+                tasks = fresh_tasks(s.episodes_per_week, seed=1000 * s.seed + week, drift=drift)
                 t0 = time.monotonic()
-                print(f"week {week}: {len(tasks)} users, drift {s.drift(week):.2f}", flush=True)
+                print(f"week {week}: {len(tasks)} users, drift {drift:.2f}", flush=True)
                 users = asyncio.run(run_week(week, tasks, loop, frozen, s))
                 late = users.late
                 # Two looks of the follower: the live gate has seen this week's feedback.
                 time.sleep(2 * s.poll_s)
                 served = aliases(self.registry)
-                row = _row(week, s.drift(week), users, served, time.monotonic() - t0)
+                row = _row(week, drift, users, served, time.monotonic() - t0)
                 # The last week is the measurement: its retraining would be canaried next week.
                 row["retrain"] = (
                     self.retrain(week, loop, key_file, pinned) if week < s.weeks else "not run"
