@@ -12,11 +12,11 @@ Each week, simulated users (benchmarks/drift/users.py) ask both the same new que
 growing share of them drifted (agents/calc/data.py, `fresh_tasks(drift=...)`), and send the
 loop's server partly missing, partly wrong and late feedback; then the weekly retraining run
 (the `train/calc-production` deployment's parameters: data=episodes, warm start from the
-champion, the offline gate on the pinned benchmark, then the live gate through a canary) trains
-on what is new. Printed: the per-week table, the registry's decisions, and the figure lines
-`production_recovery_points` (loop minus frozen champion in the last week, paired bootstrap
-interval) and `promotion_to_serving_s`; all of it also in <out>/result.json. Settings:
-benchmarks/drift/settings.py (`--set weeks=3`, ...).
+challenger in canary (else the champion), the offline gate on the pinned benchmark, then the
+live gate through a canary) trains on what is new. Printed: the per-week table, the registry's
+decisions, and the figure lines `production_recovery_points` (loop minus frozen champion in
+the last week, paired bootstrap interval) and `promotion_to_serving_s`; all of it also in
+<out>/result.json. Settings: benchmarks/drift/settings.py (`--set weeks=3`, ...).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -124,7 +125,7 @@ class Demo:
             f"week{week}",
             {
                 "iterations": s.retrain_iterations,
-                "warm_start": "champion",
+                "warm_start": s.warm_start,
                 "data": {
                     "source": "episodes",
                     "episodes_from": loop.url,
@@ -164,6 +165,8 @@ class Demo:
         ]
         if self.settings.model:
             command += ["--model", self.settings.model]
+        threads = self.settings.server_threads or max(1, len(os.sched_getaffinity(0)) // 2)
+        command += ["--backend-options", json.dumps({"threads": threads})]
         env = {k: v for k, v in self.env.items() if k != "LIGHTNING_API_KEY"}
         log = stack.enter_context((self.out / "state" / f"{name}.log").open("w"))
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -65,10 +65,13 @@ class TrainConfig(BaseModel):
     run_name: str | None = Field(
         None, description="Run folder and policy version prefix; None: '<agent>-<timestamp>'."
     )
-    warm_start: Literal["base", "champion"] = Field(
+    warm_start: Literal["base", "champion", "challenger"] = Field(
         "base",
-        description="Start from the base model, or from the registered champion's adapter "
-        "(the base model when there is no champion yet, said in the log).",
+        description="Start from the base model, from the registered champion's adapter (the "
+        "base model when there is no champion yet, said in the log), or from the challenger in "
+        "canary when one runs (else the champion): weekly retraining then builds on the "
+        "newest version past the offline gate while the live gate is still out, instead of "
+        "training each week's version from the same champion again.",
     )
     train_agents: list[str] | None = Field(
         None, description="Train only these agent names' calls; None: the profile's choice."

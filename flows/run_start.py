@@ -46,6 +46,7 @@ from lightning_rl.flows.run_state import (
     save_config,
 )
 from lightning_rl.registry.config import RegistryConfig, resolve
+from lightning_rl.registry.live import warm_start_alias
 from lightning_rl.registry.run_start import RunDataset, log_run_start
 from lightning_rl.registry.runs import set_run_tags, tracking
 from lightning_rl.registry.versions import champion_adapter, record_score
@@ -293,12 +294,14 @@ def begin(start: Start, run: RunContext, mlflow_run_id: str) -> Checkpoint:
 def _warm_start(
     start: Start, run: RunContext, checkpoint: Checkpoint
 ) -> tuple[Checkpoint, str | None]:
-    """With warm_start=champion, the champion's adapter becomes the run's policy v0; returns
-    the checkpoint and the champion's version (None: starting from the base model)."""
+    """With warm_start=champion (or challenger), that version's adapter becomes the run's
+    policy v0; returns the checkpoint and the champion's version (None: starting from the base
+    model or from a challenger, whose score is not the champion's)."""
     log, registry = get_run_logger(), start.registry
-    if start.config.warm_start != "champion":
+    if start.config.warm_start == "base":
         return checkpoint, None
-    found = champion_adapter(registry, "champion", dst=Path(run.root) / "warm_start")
+    alias = warm_start_alias(registry, start.config.warm_start)
+    found = champion_adapter(registry, alias, dst=Path(run.root) / "warm_start")
     if found is None:
         log.info(
             "warm start: %s has no champion yet, so this run starts from the base model",
@@ -315,9 +318,10 @@ def _warm_start(
         key_file=run.key_file,
     )
     log.info(
-        "warm start from %s version %s (champion, registered score %s)",
+        "warm start from %s version %s (%s, registered score %s)",
         registry.registered_model,
         found.version,
+        alias,
         found.score,
     )
     set_run_tags(
@@ -325,7 +329,7 @@ def _warm_start(
         run_id=checkpoint.mlflow_run_id,
     )
     started = checkpoint.model_copy(update={"policy": policy, "adapter_dir": str(found.adapter)})
-    return started, found.version
+    return started, found.version if alias == "champion" else None
 
 
 def evaluate_start(start: Start, run: RunContext, checkpoint: Checkpoint) -> Checkpoint:

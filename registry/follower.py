@@ -138,12 +138,22 @@ class AliasFollower:
     def _put(self, routing: Routing) -> None:
         answer = self.http.put("/serving/routing", json=routing.model_dump(mode="json"))
         _raise_for(answer, "routing")
-        self._routing = routing
-        self.swaps.append(Swap(time.time(), routing))
-        logger.info(
+        before, self._routing = self._routing, routing
+        served = (routing.champion, routing.challenger, routing.canary_fraction)
+        # The gate's status changes at every look (its counts): a swap is recorded, and said at
+        # INFO, only when what is served changes, so that a canary does not fill the log (and
+        # this list) with the same line every poll.
+        changed = before is None or served != (
+            before.champion,
+            before.challenger,
+            before.canary_fraction,
+        )
+        if changed:
+            self.swaps.append(Swap(time.time(), routing))
+        logger.log(
+            logging.INFO if changed else logging.DEBUG,
             "serving champion %s, challenger %s (canary %.0f%%)",
-            routing.champion,
-            routing.challenger,
+            *served[:2],
             100 * routing.canary_fraction,
         )
 

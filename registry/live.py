@@ -55,6 +55,14 @@ def aliases(config: RegistryConfig) -> dict[str, str | None]:
     return {CHAMPION: champion, CHALLENGER: challenger, "canary": canary}
 
 
+def warm_start_alias(config: RegistryConfig, warm_start: str) -> str:
+    """The alias a run with `warm_start` (champion or challenger) continues: the challenger
+    while its canary awaits the live gate, else the champion."""
+    if warm_start == "challenger" and aliases(config)["canary"] is not None:
+        return CHALLENGER
+    return CHAMPION
+
+
 def decide_canary(config: RegistryConfig, version: str, promote: bool, reason: str) -> bool:
     """The live gate's decision on version `version` in canary: promote it to champion, or end
     the canary (its `challenger` alias removed, the champion kept). False when the registry

@@ -18,6 +18,7 @@ from lightning_core.stats.sequential import LiveGateConfig, RollbackConfig
 from lightning_rl.flows.cli import app
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.follower import AliasFollower, version_name
+from lightning_rl.registry.live import warm_start_alias
 from lightning_rl.registry.live_config import LiveConfig
 from lightning_rl.registry.names import (
     CHALLENGER,
@@ -26,6 +27,7 @@ from lightning_rl.registry.names import (
     TAG_LIVE_DECISION,
     TAG_ROLLBACK_REASON,
 )
+from lightning_rl.registry.versions import champion_adapter
 from tests.conftest import gateway_server
 from tests.test_registry import make_adapter, register
 
@@ -89,6 +91,10 @@ def test_the_follower_serves_the_aliases_gates_the_canary_and_rolls_back(registr
         assert decision.canary and not decision.promote
         routing = follower.follow()
         assert (routing.champion, routing.challenger, routing.canary_fraction) == (v1, v2, 0.5)
+        swaps = len(follower.swaps)
+        assert not follower.gate()  # no feedback yet: it waits, and says so in the status
+        assert follower.follow().status.startswith(f"live gate on {v2}: wait")
+        assert len(follower.swaps) == swaps  # a new status alone is no swap
         split = play(16, {v1: 0.6, v2: 1.0}, "b")
         assert set(split) == {v1, v2}
         follower.step()  # the live gate: v2 better on feedback, promoted and served
@@ -129,3 +135,22 @@ def test_the_follower_serves_the_aliases_gates_the_canary_and_rolls_back(registr
     )  # fmt: skip
     assert done.exit_code == 2, done.output
     assert "first champion" in done.output and "Traceback" not in done.output
+
+
+@pytest.mark.parametrize("options", ["[1]", "{threads: 1}"])
+def test_production_refuses_backend_options_that_are_not_a_json_object(options):
+    done = CliRunner().invoke(app, ["production", "--backend-options", options])
+    assert done.exit_code == 2, done.output
+    assert "--backend-options takes a JSON object" in done.output
+    assert "Traceback" not in done.output
+
+
+def test_a_challenger_warm_start_continues_the_canary_else_the_champion(registry, tmp_path):
+    adapter = make_adapter(tmp_path / "adapter")
+    assert register(registry, adapter, "p1", 0.5).promote
+    assert warm_start_alias(registry, "challenger") == CHAMPION  # no canary: the champion
+    assert register(registry, adapter, "p2", 0.8).canary
+    assert warm_start_alias(registry, "challenger") == CHALLENGER
+    assert warm_start_alias(registry, "champion") == CHAMPION
+    found = champion_adapter(registry, CHALLENGER, dst=tmp_path / "warm")
+    assert found is not None and found.version == "2"

@@ -3,6 +3,8 @@ users, their feedback, the drift of their questions, and the weekly retraining's
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, model_validator
 
 
@@ -24,11 +26,12 @@ class DriftSettings(BaseModel):
     )
     drift_end: float = Field(1.0, ge=0, le=1, description="Share of drifted questions last week.")
     episodes_per_week: int = Field(
-        120,
+        240,
         ge=1,
         description="User episodes a week, each answered by the loop and the frozen champion "
-        "(the same question: paired). Enough that a canary's live gate can decide within the "
-        "week: the next week's retrained version replaces an undecided canary.",
+        "(the same question: paired). The live gate sees the ~70 % with feedback, half per "
+        "arm: at 120 a week (the first full run) no canary was decided within its week, and "
+        "the next week's retrained version replaces an undecided canary.",
     )
     concurrency: int = Field(
         16,
@@ -36,6 +39,14 @@ class DriftSettings(BaseModel):
         description="Users calling at the same time (each call goes to the loop and to the "
         "frozen champion). As many as a training run's rollouts keep in flight: the servers "
         "batch concurrent calls, and 6 took 19 min a week on 2 cores.",
+    )
+    server_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Torch threads of each of the two production servers (their "
+        "--backend-options threads). None: half the machine's cores each, at least 1. Two "
+        "servers with a thread per core each fight for the cores: 48 users took 411 s that "
+        "way on 2 cores, 74 s with one thread each.",
     )
     temperature: float = Field(
         0.7,
@@ -69,6 +80,13 @@ class DriftSettings(BaseModel):
     week0_iterations: int = Field(3, ge=1, description="Training iterations of the champion.")
     week0_tasks: int = Field(8, ge=1, description="Tasks per iteration of week 0.")
     group_size: int = Field(4, ge=1, description="Rollouts per task of week 0.")
+    warm_start: Literal["champion", "challenger"] = Field(
+        "challenger",
+        description="What each weekly retraining continues: the champion, or the challenger "
+        "while its canary runs (TrainConfig.warm_start). In the first full run (champion) "
+        "every week's version was the week-0 champion plus one week's episodes, since no "
+        "canary was decided: the weeks did not add up.",
+    )
     retrain_iterations: int = Field(
         2, ge=1, description="Iterations of each weekly retraining run (data=episodes)."
     )

@@ -45,6 +45,15 @@ def production(
     registered_model: Annotated[
         str | None, typer.Option(help="Registered model (default: the agent profile's).")
     ] = None,
+    backend_options: Annotated[
+        str | None,
+        typer.Option(
+            metavar="JSON",
+            help="More settings of the server's backend, as `lightning-rl serve "
+            "--backend-options' takes them, e.g. '{\"threads\": 1}' for each of two servers "
+            "sharing two cores.",
+        ),
+    ] = None,
     live: Annotated[
         str | None,
         typer.Option(
@@ -97,6 +106,12 @@ def production(
         except ValidationError as exc:
             problems = (f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise LightningError(f"invalid --live setting: {'; '.join(problems)}") from exc
+        try:
+            options_given = json.loads(backend_options) if backend_options else {}
+        except json.JSONDecodeError as exc:
+            raise LightningError(f"--backend-options takes a JSON object: {exc}") from exc
+        if not isinstance(options_given, dict):
+            raise LightningError("--backend-options takes a JSON object, e.g. '{\"threads\": 1}'")
         spec = profile(agent, tasks)
         overrides = {"tracking_uri": tracking_uri, "registered_model": registered_model or ""}
         config = resolve(RegistryConfig(**overrides), spec.registered_model)
@@ -156,7 +171,9 @@ def production(
         "LIGHTNING_API_KEY": key,
         "LIGHTNING_MODEL_ALIASES": json.dumps({policy: name, "champion": name}),
     }
-    options, server_env = serve_options(ServerConfig(host=host, model=model))
+    options, server_env = serve_options(
+        ServerConfig(host=host, model=model, backend_options=options_given)
+    )
     env.update(server_env)
     argv = ["serve", *options, "--port", str(port), "--db", str(store_path)]
     if spec.tool_format:

@@ -70,7 +70,10 @@ def train(**options: Any) -> None:
         typer.echo(summary["reason"])
         return
     base, final = summary["base"], summary["final"]
-    start = "champion" if summary.get("warm_start") == "champion" else "base"
+    # A challenger warm start falls back to the champion when no canary runs: named neutrally.
+    start = {"champion": "champion", "challenger": "warm start"}.get(
+        summary.get("warm_start", ""), "base"
+    )
     typer.echo(
         f"{start} {base['score']:.1%} [{base['ci_low']:.1%}, {base['ci_high']:.1%}] -> "
         f"final {final['score']:.1%} [{final['ci_low']:.1%}, {final['ci_high']:.1%}] on "
