@@ -70,8 +70,9 @@ demo-store: setup
 	$(BIN)/python -m lightning_core.store.demo
 
 # The Prefect UI screenshots in docs/ (docs/deployments.md, "In the Prefect UI"), retaken from a
-# short training run against a temporary Prefect server, in headless Chromium (apt-get install
-# chromium).
+# short training run and the production side (docs/screenshots_production.py: the
+# calc-production deployment's run, the reload automation, the registry's events) against a
+# temporary Prefect server, in headless Chromium (apt-get install chromium).
 screenshots: setup-dev
 	$(BIN)/python docs/screenshots.py
 

@@ -4,9 +4,11 @@ Starts a real Prefect server on loopback (its own PREFECT_HOME in a temporary fo
 short training of the tiny test model through the `lightning-rl train` command as users do,
 then opens the run in headless Chromium (Debian's /usr/bin/chromium, driven by Playwright) and
 saves docs/prefect-run-page.png (the iteration subflows), docs/prefect-run-logs.png (the run's
-logs) and docs/prefect-training-report.png (the report artifact and its reward curve).
+logs) and docs/prefect-training-report.png (the report artifact and its reward curve). Then, on
+the same server, docs/screenshots_production.py takes the production side's pages (the
+calc-production deployment's run, the reload automation, the registry's events).
 
-tests/test_prefect_ui.py imports this file's functions to check the same pages.
+tests/test_prefect_ui.py imports both files' functions to check the same pages.
 """
 
 from __future__ import annotations
@@ -260,21 +262,21 @@ def browser() -> Iterator[Any]:
             chromium.close()
 
 
-def ui_root(run: DemoRun) -> str:
+def ui_root(ui: str) -> str:
     """The URL of the UI a user lands on from the server's address: the server's default UI
     version (V2, under /v2, in Prefect 3.9), as its /ui-settings says."""
-    settings = httpx.get(f"{run.ui}/ui-settings", timeout=10).raise_for_status().json()
+    settings = httpx.get(f"{ui}/ui-settings", timeout=10).raise_for_status().json()
     default = settings.get("default_ui") or "v1"
     base = settings.get(f"{default}_base_url") or "/"
-    return run.ui + base.rstrip("/")
+    return ui + base.rstrip("/")
 
 
 def run_page_url(run: DemoRun, tab: str) -> str:
-    return f"{ui_root(run)}/runs/flow-run/{run.flow_run_id}?tab={tab}"
+    return f"{ui_root(run.ui)}/runs/flow-run/{run.flow_run_id}?tab={tab}"
 
 
 def report_url(run: DemoRun) -> str:
-    return f"{ui_root(run)}/artifacts/artifact/{run.report_id}"
+    return f"{ui_root(run.ui)}/artifacts/artifact/{run.report_id}"
 
 
 def show_subflows(page: Any, run: DemoRun) -> list[str]:
@@ -372,6 +374,9 @@ def take_screenshots(page: Any, run: DemoRun, folder: Path = DOCS) -> list[Path]
 
 
 def main() -> None:
+    # Beside this file (docs/, on sys.path as the script's folder); it imports this module.
+    import screenshots_production as production
+
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lightning-rl-ui-") as tmp:
         work = Path(tmp)
@@ -379,8 +384,11 @@ def main() -> None:
             print(f"prefect server at {ui} ({time.monotonic() - started:.0f} s)", flush=True)
             run = train_demo(ui, work / "train")
             print(f"trained ({time.monotonic() - started:.0f} s): {run}", flush=True)
+            demo = production.production_demo(ui, work / "production")
+            print(f"production side ({time.monotonic() - started:.0f} s): {demo}", flush=True)
             with browser() as page:
                 shots = take_screenshots(page, run)
+                shots += production.take_production_screenshots(page, demo)
     for shot in shots:
         print(f"{shot.relative_to(REPO)}: {shot.stat().st_size // 1024} KB")
     print(f"done in {time.monotonic() - started:.0f} s")

@@ -1,6 +1,7 @@
 """What a user sees of a training run in the Prefect UI (slow): a real Prefect server, a tiny
 `lightning-rl train` run against it, and the run's pages in headless Chromium, the pages and
-checks of docs/screenshots.py (`make screenshots`)."""
+checks of docs/screenshots.py (`make screenshots`); and the production side's pages, those of
+docs/screenshots_production.py."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ def _load_screenshots() -> ModuleType:
 
 
 shots = _load_screenshots()
+
+
+def _load_production_screenshots() -> ModuleType:
+    # It imports its sibling as `screenshots` (docs/ is on sys.path when run as a script):
+    # given the module loaded above under that name, not a second copy.
+    sys.modules.setdefault("screenshots", shots)
+    name = "lightning_rl_docs_screenshots_production"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / "screenshots_production.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as _load_screenshots: for its dataclass
+    spec.loader.exec_module(module)
+    return module
 
 
 def _require_browser() -> None:
@@ -72,3 +88,20 @@ def test_the_prefect_ui_shows_the_iterations_the_logs_and_the_reward_curve(tmp_p
     assert any(f"run {run.run_name} in " in row for row in logs), logs
     assert any("held-out after iteration" in row for row in logs), logs
     assert curve["width"] > 0 and curve["height"] > 0, f"the reward curve did not render: {curve}"
+
+
+def test_the_prefect_ui_shows_the_production_deployment_the_automation_and_the_events(tmp_path):
+    """The production pages `make screenshots` takes (docs/screenshots_production.py): the
+    calc-production deployment's Completed run, the reload automation (its webhook action and
+    its trigger on lightning.model.*) and the registry's events with the automation acting."""
+    _require_browser()
+    production = _load_production_screenshots()
+    with shots.prefect_server(tmp_path / "prefect-home") as ui:
+        demo = production.production_demo(ui, tmp_path / "production")
+        with shots.browser() as page:
+            try:
+                taken = production.take_production_screenshots(page, demo, tmp_path)
+            except AssertionError as exc:
+                page.screenshot(path=tmp_path / "failure.png")
+                raise AssertionError(f"{exc}\n(the page: {tmp_path / 'failure.png'})") from exc
+    assert all(shot.stat().st_size > 0 for shot in taken), taken
