@@ -164,7 +164,7 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore, RetentionStore, TransitionSt
         target = self._written if upto is None else upto
         while self._durable < target:
             if self._broken is not None:
-                raise StoreUnavailable(f"the store's database failed: {self._broken}")
+                raise self._unavailable()
             if self._flusher is None or self._flusher.done():
                 self._flusher = asyncio.get_running_loop().create_task(self._flush())
             await self._committed.wait(60.0)
@@ -192,9 +192,15 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore, RetentionStore, TransitionSt
         if self._closed:
             raise StoreUnavailable("the store is closed")
         if self._broken is not None:
-            raise StoreUnavailable(f"the store's database failed: {self._broken}")
+            raise self._unavailable()
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    def _unavailable(self) -> StoreUnavailable:
+        # The worker's errors already say "the store's database failed"; say it once.
+        if isinstance(self._broken, StoreUnavailable):
+            return StoreUnavailable(str(self._broken))
+        return StoreUnavailable(f"the store's database failed: {self._broken}")
 
     def _rollout(self, rollout_id: str) -> Rollout:
         try:

@@ -119,7 +119,9 @@ class DatabaseWorker:
             except (BrokenPipeError, ValueError, OSError) as exc:
                 loop, future = self._pending.pop(request[0], (None, None))
                 if future is not None:
-                    _settle_from_thread(loop, future, False, f"its worker is gone: {exc}")
+                    # The pipe breaks before the reader sees the worker's exit: name the worker.
+                    gone = f"the store's database worker is gone ({exc})"
+                    _settle_from_thread(loop, future, False, gone)
 
     def _read_answers(self) -> None:
         while (frame := _read_frame(self._proc.stdout)) is not None:
