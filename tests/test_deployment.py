@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,9 +115,19 @@ def _deploy_and_run(env, api, port, logs, server_log, worker_log, tmp_path) -> N
             assert "Completed" in run.stdout, run.stdout + worker_tail
             return (logs / "worker.log").read_text()
 
+        def worker_says(text: str, within_s: float = 60) -> bool:
+            # The flow's process reports Completed before the worker has relayed the last of
+            # its output into the worker's log: wait for it rather than read too early.
+            deadline = time.monotonic() + within_s
+            while text not in (logs / "worker.log").read_text():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.5)
+            return True
+
         # The weekly schedule's run with no new tasks in the table: it says so, trains nothing.
-        worker_log_text = run_deployment({**params, "run_name": "deployed-empty"})
-        assert "no new tasks" in worker_log_text
+        run_deployment({**params, "run_name": "deployed-empty"})
+        assert worker_says("no new tasks"), (logs / "worker.log").read_text()[-3000:]
         assert not (tmp_path / "runs" / "deployed-empty").exists()
         # A week of new tasks appended: the next run trains on them, and on them only.
         TaskTable(tmp_path / "runs" / "data" / "calc-tasks").append(fresh_tasks(4, seed=1))

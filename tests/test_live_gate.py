@@ -89,6 +89,26 @@ def test_peeking_after_every_batch_keeps_the_error_rate_near_alpha():
     assert errors / runs <= GATE.alpha + 0.02, errors
 
 
+@pytest.mark.parametrize("rate", [0.15, 0.4])
+def test_the_drift_demos_gate_keeps_its_error_rate_on_rare_successes_looked_at_each_episode(rate):
+    # The drift demo's gate (tau 0.3, 15 episodes a side) on 0/1 feedback, looked at after every
+    # episode: with rare successes the plug-in variances are small early on (2 of 15 right is
+    # 0.12 a side), which is where an early, wrong decision would come from.
+    gate = LiveGateConfig(alpha=0.05, tau=0.3, min_episodes=15, max_episodes=10**6)
+    rng = random.Random(2)
+    errors, runs = 0, 400
+    for _ in range(runs):
+        a: list[float] = []
+        b: list[float] = []
+        for _episode in range(150):
+            a.append(float(rng.random() < rate))
+            b.append(float(rng.random() < rate))
+            if len(a) >= 15 and live_gate(_stats(a), _stats(b), gate).verdict != "wait":
+                errors += 1
+                break
+    assert errors / runs <= gate.alpha + 0.02, errors
+
+
 # ---------------------------------------------------------------------------- rollback rule
 
 
