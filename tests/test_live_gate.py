@@ -71,42 +71,43 @@ def test_no_difference_after_the_most_episodes_ends_the_canary():
     assert decision.verdict == "end" and "no difference" in decision.reason
 
 
-def test_peeking_after_every_batch_keeps_the_error_rate_near_alpha():
-    # Both arms Bernoulli(0.5): any decision is an error. A fixed-sample z-test read after each
-    # batch would err far more often than alpha; the mixture test stays under it (Ville).
-    rng = random.Random(1)
-    errors, runs = 0, 300
+def _null_error_rate(
+    gate: LiveGateConfig, rate: float, *, runs: int, looks: int, batch: int, seed: int
+) -> float:
+    """Share of `runs` canaries, both arms Bernoulli(`rate`), in which the gate decides (any
+    decision is an error) when it looks after every `batch` episodes a side, `looks` times."""
+    gate = gate.model_copy(update={"max_episodes": 10**6})
+    rng = random.Random(seed)
+    errors = 0
     for _ in range(runs):
         a: list[float] = []
         b: list[float] = []
-        for _batch in range(40):
-            a += [float(rng.random() < 0.5) for _ in range(10)]
-            b += [float(rng.random() < 0.5) for _ in range(10)]
-            if live_gate(_stats(a), _stats(b), GATE.model_copy(update={"max_episodes": 10**6}))\
-                    .verdict != "wait":  # fmt: skip
+        for _look in range(looks):
+            a += [float(rng.random() < rate) for _ in range(batch)]
+            b += [float(rng.random() < rate) for _ in range(batch)]
+            if live_gate(_stats(a), _stats(b), gate).verdict != "wait":
                 errors += 1
                 break
-    assert errors / runs <= GATE.alpha + 0.02, errors
+    return errors / runs
 
 
-@pytest.mark.parametrize("rate", [0.15, 0.4])
-def test_the_drift_demos_gate_keeps_its_error_rate_on_rare_successes_looked_at_each_episode(rate):
+def test_peeking_after_every_batch_keeps_the_error_rate_near_alpha():
+    # Both arms Bernoulli(0.5). A fixed-sample z-test read after each batch would err far more
+    # often than alpha; the mixture test stays under it (Ville).
+    rate = _null_error_rate(GATE, 0.5, runs=300, looks=40, batch=10, seed=1)
+    assert rate <= GATE.alpha + 0.02, rate
+
+
+@pytest.mark.parametrize("success", [0.15, 0.4])
+def test_the_drift_demos_gate_keeps_its_error_rate_on_rare_successes_looked_at_each_episode(
+    success,
+):
     # The drift demo's gate (tau 0.3, 15 episodes a side) on 0/1 feedback, looked at after every
     # episode: with rare successes the plug-in variances are small early on (2 of 15 right is
     # 0.12 a side), which is where an early, wrong decision would come from.
-    gate = LiveGateConfig(alpha=0.05, tau=0.3, min_episodes=15, max_episodes=10**6)
-    rng = random.Random(2)
-    errors, runs = 0, 400
-    for _ in range(runs):
-        a: list[float] = []
-        b: list[float] = []
-        for _episode in range(150):
-            a.append(float(rng.random() < rate))
-            b.append(float(rng.random() < rate))
-            if len(a) >= 15 and live_gate(_stats(a), _stats(b), gate).verdict != "wait":
-                errors += 1
-                break
-    assert errors / runs <= gate.alpha + 0.02, errors
+    gate = LiveGateConfig(alpha=0.05, tau=0.3, min_episodes=15)
+    rate = _null_error_rate(gate, success, runs=400, looks=150, batch=1, seed=2)
+    assert rate <= gate.alpha + 0.02, rate
 
 
 # ---------------------------------------------------------------------------- rollback rule
