@@ -292,12 +292,32 @@ def production_demo(ui: str, work: Path) -> ProductionDemo:
         mlflow.set_registry_uri(prior[1])
     with SyncPrefectClient(f"{ui}/api") as client:
         deployment = client.read_deployment_by_name(DEPLOYMENT)
+    # The event feed reads what the server holds when the page loads; the events are sent
+    # asynchronously (the canary's came after the page once), so wait until all are stored.
+    wait_for_events(ui, MODEL_EVENTS + AUTOMATION_EVENTS)
     return ProductionDemo(
         ui=ui,
         deployment_id=str(deployment.id),
         flow_run_name=flow_run_name,
         automation_id=automation_id,
     )
+
+
+def wait_for_events(ui: str, names: list[str], timeout_s: float = 120.0) -> None:
+    """Wait until the Prefect server has stored an event of each name (its events API)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        body = {"filter": {"event": {"name": names}}, "limit": 50}  # the API's page cap
+        reply = httpx.post(f"{ui}/api/events/filter", json=body, timeout=30)
+        reply.raise_for_status()
+        seen = {event["event"] for event in reply.json()["events"]}
+        if seen >= set(names):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the Prefect server never stored {sorted(set(names) - seen)}")
 
 
 def _wait_for(page: Any, texts: list[str], *, exact: bool = False) -> None:

@@ -152,14 +152,18 @@ from lightning_core.store import archive
 db, folder, stop_after = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 con = duckdb.connect(db)
 ids = [r[0] for r in con.execute("SELECT DISTINCT rollout_id FROM rollout_log").fetchall()]
+def said(name):
+    # Written whole, then renamed: the test reads it as soon as it exists.
+    Path(folder.parent / "stopped.part").write_text(name)
+    Path(folder.parent / "stopped.part").replace(folder.parent / "stopped")
 def step(name):
     if name == stop_after:
-        Path(folder.parent / "stopped").write_text(name)
+        said(name)
         time.sleep(600)
 big = 2**62
 bounds = {"log_seq": big, "span_seq": big, "feedback_seq": big}
 archive.archive_batch(con, folder, "b1", ids, bounds, time.time(), step)
-Path(folder.parent / "stopped").write_text("end")
+said("end")
 time.sleep(600)
 """
 
