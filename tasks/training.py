@@ -161,28 +161,43 @@ def train_offline(
 ) -> dict[str, Any]:
     """Continue the adapter in `previous_adapter` on captured production episodes.
 
-    The episodes were sampled by the policy that served them, not by this one. First the gap
+    The episodes were sampled by the policy that served them, not by this one. The gap
     between the two is measured on their tokens; while it is small the policy-gradient update
     corrects for it by the ratio to the recorded logprobs (importance weighting, clipped), and
     past `offline.max_behaviour_kl` (or when asked) the update is reward-filtered fine-tuning
-    on the episodes that did well instead (offline.py).
+    on the episodes that did well instead (offline.py). With method auto and one update, the
+    gap comes from the update's own forward pass over the transitions it trains (those with an
+    advantage); otherwise from a pass of its own over all of them, first.
     """
     with gpu_slot():
         trainer = _trainer(trainer_config, previous_adapter)
-        gap = trainer.behaviour_gap(batch.transitions) if batch.transitions else {}
-        method = offline.method if offline.method != "auto" else choose_method(gap, offline)
+        learning = [t for t in batch.transitions if t.advantage]
+        steps: list[dict[str, float]] = []
+        if offline.method == "auto" and updates == 1 and learning:
+            # One update on the whole batch: its own forward pass measures the gap (on the
+            # transitions it trains, before it steps) and the update stands only if the gap
+            # chooses importance weighting; a forward pass less than measuring first.
+            gap, step = trainer.gated_step(
+                learning, lambda found: choose_method(found, offline) == "importance"
+            )
+            method = "importance" if step is not None else "filtered"
+            steps = [step] if step is not None else []
+        else:
+            gap = trainer.behaviour_gap(batch.transitions) if batch.transitions else {}
+            method = offline.method if offline.method != "auto" else choose_method(gap, offline)
         if method == "filtered":
             chosen, objective = filtered(batch, offline), "likelihood"
         else:
-            chosen, objective = [t for t in batch.transitions if t.advantage], "policy_gradient"
+            chosen, objective = learning, "policy_gradient"
         metrics: dict[str, Any] = {
             **gap,
             "offline/filtered": 1.0 if method == "filtered" else 0.0,
             "train/transitions": float(len(chosen)),
             "train/skipped_transitions": float(len(batch.transitions) - len(chosen)),
         }
-        parts = _split_updates(chosen, updates, seed)
-        steps = [trainer.step(part, objective=objective) for part in parts]
+        if not steps:
+            parts = _split_updates(chosen, updates, seed)
+            steps = [trainer.step(part, objective=objective) for part in parts]
         if steps:
             metrics |= _mean(steps)
         _save(trainer, adapter_dir)

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from lightning_core import semconv
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.losses import likelihood_loss
-from lightning_core.algo.trainer import LoRATrainer
+from lightning_core.algo.trainer import ADAPTER_CONFIG, LoRATrainer
 from lightning_core.backends.base import Choice, SamplingParams
 from lightning_core.data.adapter import AdapterConfig
 from lightning_core.data.offline import (
@@ -415,3 +415,72 @@ def test_an_importance_step_moves_the_policy_along_the_advantage():
     assert after["ep-bad"] < before["ep-bad"] - 0.5
     # The policy moved away from the recorded one: the gap is no longer 0.
     assert trainer.behaviour_gap(batch.transitions)["offline/behaviour_kl"] > 1e-6
+
+
+def nudged(batch: OfflineBatch) -> list[Transition]:
+    """The batch's transitions with an advantage, their recorded logprobs moved a little (by
+    +-0.1, +-0.4 per token): a behaviour policy near the current one but not it."""
+    out = []
+    for t in batch.transitions:
+        if t.advantage:
+            shift = [(0.1, -0.4, 0.4, -0.1)[i % 4] for i in range(len(t.response_logprobs))]
+            moved = [x + d for x, d in zip(t.response_logprobs, shift, strict=True)]
+            out.append(t.model_copy(update={"response_logprobs": moved}))
+    return out
+
+
+def test_a_gated_step_measures_the_gap_in_its_own_pass_and_equals_measuring_first():
+    # Two trainers from the same seed: one measures then steps, the other gates one pass.
+    first, gated = LoRATrainer(config()), LoRATrainer(config())
+    assert first.dropout_free() and gated.dropout_free()
+    learning = nudged(recorded_batch(first))
+    gap = first.behaviour_gap(learning)
+    assert 0.01 < gap["offline/behaviour_kl"] < 0.05 and gap["offline/outside_clip"] > 0
+    stepped = first.step(learning)
+    seen: list[dict[str, float]] = []
+    found, metrics = gated.gated_step(learning, lambda g: seen.append(g) or True)
+    assert seen == [found]
+    assert found == pytest.approx(gap, abs=1e-5)
+    assert metrics is not None and metrics["train/loss"] == pytest.approx(stepped["train/loss"])
+    assert gated.version == first.version == 1
+    for name, p in gated.lora_state().items():
+        assert torch.allclose(p, first.lora_state()[name], atol=1e-6)
+
+
+def test_a_refused_gated_step_changes_nothing_and_dropout_measures_first():
+    trainer = LoRATrainer(config())
+    lora = trainer.lora_state()
+    learning = nudged(recorded_batch(trainer))
+    gap, metrics = trainer.gated_step(learning, lambda g: False)
+    assert metrics is None and gap["offline/tokens"] == sum(
+        len(t.response_token_ids) for t in learning
+    )
+    assert trainer.version == 0 and all(p.grad is None for p in trainer.params)
+    assert all(torch.equal(lora[n], p) for n, p in trainer.lora_state().items())
+    # With dropout on the LoRA path a train-mode pass is not the eval-mode policy: the gap is
+    # behaviour_gap's own pass, then the step.
+    noisy = LoRATrainer(config(lora={"dropout": 0.5}))
+    assert not noisy.dropout_free()
+    expected = noisy.behaviour_gap(learning)
+    gap, metrics = noisy.gated_step(learning, lambda g: True)
+    assert gap == expected and metrics is not None and noisy.version == 1
+
+
+def test_the_offline_task_gates_its_one_update_by_the_gap(prefect_harness, tmp_path):
+    from lightning_rl.flows.gpu_slot import ensure_gpu_limit
+    from lightning_rl.tasks.training import train_offline
+
+    ensure_gpu_limit()  # the task holds the Prefect server's GPU slot while it trains
+    cfg = config()
+    own = recorded_batch(LoRATrainer(cfg))  # the task's new adapter starts from the same seed
+    near = train_offline.fn(cfg, own, None, str(tmp_path / "near"), OfflineConfig())
+    assert near["offline/filtered"] == 0.0 and near["offline/behaviour_kl"] < 1e-6
+    # The three calls with an advantage (ep-meh's is 0): the gap is measured on what trains.
+    assert near["train/transitions"] == 3 and near["offline/tokens"] == 12
+    assert (tmp_path / "near" / ADAPTER_CONFIG).exists()
+
+    far = train_offline.fn(
+        cfg, recorded_batch(None, far=True), None, str(tmp_path / "far"), OfflineConfig()
+    )
+    assert far["offline/filtered"] == 1.0 and far["offline/behaviour_kl"] > 5
+    assert far["train/transitions"] == 2 and far["train/clip_frac"] == 0.0  # ep-good's calls

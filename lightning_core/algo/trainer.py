@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,6 +55,8 @@ Objective = Literal["policy_gradient", "likelihood"]
 # Log-ratios beyond this are clamped in behaviour_gap: the gap stays finite (e^20 already says
 # "far off") on a token the recorded policy found near impossible.
 MAX_LOG_RATIO = 20.0
+# The sums behaviour_gap's metrics are made of.
+GAP_SUMS = ("gap_kl", "gap_outside", "gap_tokens")
 
 
 def agent_adapter_dirs(folder: str | Path) -> dict[str, Path]:
@@ -322,22 +324,65 @@ class LoRATrainer:
         whose importance ratio lies outside [1 - clip_low, 1 + clip_high], where PPO-clip stops
         learning from them; `offline/tokens`, how many tokens that is measured on."""
         self._check(transitions, advantage=False)
-        c = self.config
-        kl = outside = tokens = 0.0
+        sums = dict.fromkeys(GAP_SUMS, 0.0)
         for batch in self._micro_batches(self._rows(transitions, self.config.prefix_merge)):
             x, logp, _ = self._current(batch)
-            mask = x["mask"].float()
-            log_ratio = (logp - x["old"]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            ratio = torch.exp(log_ratio)
-            beyond = (ratio < 1.0 - c.clip_low) | (ratio > 1.0 + c.clip_high)
-            kl += float((k3(log_ratio) * mask).sum())
-            outside += float((beyond.float() * mask).sum())
-            tokens += float(mask.sum())
+            self._add_gap(sums, logp, x)
+        return self.gap_metrics(sums)
+
+    def _add_gap(self, sums: dict[str, float], logp: torch.Tensor, x: dict[str, Any]) -> None:
+        c = self.config
+        mask = x["mask"].float()
+        log_ratio = (logp.detach() - x["old"]).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        ratio = torch.exp(log_ratio)
+        beyond = (ratio < 1.0 - c.clip_low) | (ratio > 1.0 + c.clip_high)
+        sums["gap_kl"] += float((k3(log_ratio) * mask).sum())
+        sums["gap_outside"] += float((beyond.float() * mask).sum())
+        sums["gap_tokens"] += float(mask.sum())
+
+    @staticmethod
+    def gap_metrics(sums: dict[str, float]) -> dict[str, float]:
+        """behaviour_gap's metrics from the sums _add_gap makes."""
         return {
-            "offline/behaviour_kl": kl / tokens,
-            "offline/outside_clip": outside / tokens,
-            "offline/tokens": tokens,
+            "offline/behaviour_kl": sums["gap_kl"] / sums["gap_tokens"],
+            "offline/outside_clip": sums["gap_outside"] / sums["gap_tokens"],
+            "offline/tokens": sums["gap_tokens"],
         }
+
+    def dropout_free(self) -> bool:
+        """Whether a forward pass in train mode computes what eval mode does (no dropout
+        anywhere, the LoRA path's included): then the update's own forward pass measures the
+        behaviour gap (gated_step)."""
+        if float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0) > 0:
+            return False
+        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+
+    def gated_step(
+        self, transitions: Sequence[Transition], accept: Callable[[dict[str, float]], bool]
+    ) -> tuple[dict[str, float], dict[str, float] | None]:
+        """behaviour_gap of the transitions, then a policy-gradient step on them only if
+        `accept(gap)`: returns the gap and the step's metrics (None when refused: nothing
+        changed). Without dropout the update's own forward pass, taken before the optimizer
+        steps, is the policy the gap is measured on, so the gap comes from it and a refusal
+        drops the gradients: one forward pass over the batch less than behaviour_gap then step
+        (on the demo's offline batches about a third of an epoch's time). With dropout, the
+        eval-mode pass first, as behaviour_gap alone."""
+        if not self.dropout_free():
+            gap = self.behaviour_gap(transitions)
+            return gap, (self.step(transitions) if accept(gap) else None)
+        self._check(transitions)
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self.accumulate(
+            transitions, "policy_gradient", self.loss_weights(transitions), gap=True
+        )
+        gap = self.gap_metrics(sums)
+        if not accept(gap):
+            self.optimizer.zero_grad(set_to_none=True)
+            return gap, None
+        grad_norm = self.apply_gradients()
+        seconds = time.perf_counter() - started
+        return gap, self.step_metrics(sums, grad_norm, seconds) | self.batch_metrics(transitions)
 
     def step(
         self, transitions: Sequence[Transition], objective: Objective = "policy_gradient"
@@ -397,11 +442,15 @@ class LoRATrainer:
         return metrics | {f"train/prefix_breaks/{a}": float(n) for a, n in breaks.items()}
 
     def accumulate(
-        self, transitions: Sequence[Transition], objective: Objective, weights: dict[int, float]
+        self,
+        transitions: Sequence[Transition],
+        objective: Objective,
+        weights: dict[int, float],
+        gap: bool = False,
     ) -> dict[str, float]:
         """Backward over the transitions in micro-batches, each call's loss weighted by its
         share of the whole batch (`weights`, from loss_weights), adding to the gradients; the
-        sums the metrics are made of."""
+        sums the metrics are made of (with `gap`, behaviour_gap's too, from the same pass)."""
         c = self.config
         likelihood = objective == "likelihood"
         self.model.train()
@@ -412,9 +461,13 @@ class LoRATrainer:
         )
         rows = self._rows(transitions, c.prefix_merge)
         sums["forward_tokens"] = float(sum(row_length(row) for row in rows))
+        if gap:
+            sums |= dict.fromkeys(GAP_SUMS, 0.0)
         for batch in self._micro_batches(rows):
             x, masked, _ = self._tensors(batch, weights)
             logp, logits = self._logprobs(x, masked)
+            if gap:
+                self._add_gap(sums, logp, x)
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
