@@ -45,6 +45,7 @@ QUICK = (
     "overlap",
     "ablation_sql",
     "objectives",
+    "offline_gate",
 )
 FIGURE = re.compile(r"^(\w+): (-?[\d.]+|nan|n/a)\b", re.M)
 
@@ -162,6 +163,16 @@ def test_train_step_quick():
     apart, merged = table_rows(text, "false"), table_rows(text, "true")
     assert int(merged[0][1]) < int(apart[0][1]), text
     assert 0 < float(figures(text)["prefix_merge_tokens_saved_frac"]) < 1, text
+
+
+@pytest.mark.timeout(180)
+def test_offline_gate_quick():
+    text = run_benchmark("offline_gate", "--quick", timeout=170)
+    found = figures(text)
+    # Same gap, same update either way; the time saved is a figure, not asserted (noise).
+    assert float(found["behaviour_kl_abs_diff"]) < 1e-5, text
+    assert float(found["max_abs_diff"]) < 1e-6, text
+    assert len(table_rows(text, "gated update")) == 1, text
 
 
 @pytest.mark.timeout(180)
