@@ -371,18 +371,7 @@ class LoRATrainer:
             gap = self.behaviour_gap(transitions)
             return gap, (self.step(transitions) if accept(gap) else None)
         self._check(transitions)
-        started = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = self.accumulate(
-            transitions, "policy_gradient", self.loss_weights(transitions), gap=True
-        )
-        gap = self.gap_metrics(sums)
-        if not accept(gap):
-            self.optimizer.zero_grad(set_to_none=True)
-            return gap, None
-        grad_norm = self.apply_gradients()
-        seconds = time.perf_counter() - started
-        return gap, self.step_metrics(sums, grad_norm, seconds) | self.batch_metrics(transitions)
+        return self._update(transitions, "policy_gradient", accept)
 
     def step(
         self, transitions: Sequence[Transition], objective: Objective = "policy_gradient"
@@ -400,12 +389,31 @@ class LoRATrainer:
             )
         likelihood = objective == "likelihood"
         self._check(transitions, advantage=not likelihood, logprobs=not likelihood)
+        metrics = self._update(transitions, objective)[1]
+        assert metrics is not None  # nothing to refuse without `accept`
+        return metrics
+
+    def _update(
+        self,
+        transitions: Sequence[Transition],
+        objective: Objective,
+        accept: Callable[[dict[str, float]], bool] | None = None,
+    ) -> tuple[dict[str, float], dict[str, float] | None]:
+        """step's update on checked transitions; with `accept`, the behaviour gap is taken from
+        the same forward pass and the gradients are dropped, before the optimizer steps, when
+        it refuses (gated_step). Returns the gap ({} without `accept`) and step's metrics."""
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self.accumulate(transitions, objective, self.loss_weights(transitions))
+        weights = self.loss_weights(transitions)
+        sums = self.accumulate(transitions, objective, weights, gap=accept is not None)
+        gap = self.gap_metrics(sums) if accept is not None else {}
+        if accept is not None and not accept(gap):
+            self.optimizer.zero_grad(set_to_none=True)
+            return gap, None
         grad_norm = self.apply_gradients()
         seconds = time.perf_counter() - started
-        return self.step_metrics(sums, grad_norm, seconds) | self.batch_metrics(transitions)
+        metrics = self.step_metrics(sums, grad_norm, seconds) | self.batch_metrics(transitions)
+        return gap, metrics
 
     # The three parts of step, which a data-parallel update (distributed.py) runs with the
     # batch's global loss weights and all-reduces between accumulate and apply_gradients.
