@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -40,6 +41,9 @@ SECRET = "reload-secret-for-screenshots"
 MODEL_EVENTS = ["lightning.model.promoted", "lightning.model.canary-started"]
 # What the automation did on the canary's event: in the same feed, waited for as well.
 AUTOMATION_EVENTS = ["prefect.automation.triggered", "prefect.automation.action.executed"]
+# The event feed is reloaded up to this many times, waiting this long each, for its first event.
+EVENT_FEED_RELOADS = 4
+EVENT_FEED_WAIT_MS = 20_000
 # A worker asks for scheduled runs every 2 s instead of 10: the screenshot waits less.
 WORKER_ENV = {"PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLI_PROMPT": "false"}
 
@@ -354,8 +358,30 @@ def show_model_events(page: Any, demo: ProductionDemo) -> None:
     """The event feed filtered to the registry's events and the automation's, oldest first
     (the promotion, the canary, the automation acting on it); waits for each event's name
     (exact: the filter box lists them too) and grows the window to show them all."""
+    from playwright.sync_api import Error as PlaywrightError
+
     events = quote(json.dumps(MODEL_EVENTS + AUTOMATION_EVENTS))
-    page.goto(f"{shots.ui_root(demo.ui)}/events/?events={events}&order=ASC")
+    # An explicit window around now: with the feed's default ("past day") the page once
+    # listed the promotion but not the canary's and the automation's events, stored seconds
+    # later (wait_for_events) yet outside the window the page had computed.
+    now = datetime.now(UTC)
+    start, end = (
+        quote((now + timedelta(hours=h)).strftime("%Y-%m-%dT%H:%M:%S.000Z")) for h in (-1, 1)
+    )
+    page.goto(
+        f"{shots.ui_root(demo.ui)}/events/?events={events}&order=ASC"
+        f"&rangeType=range&start={start}&end={end}"
+    )
+    # The feed queries the server when the page loads and not again: reload it while an
+    # event is missing (CI runs the tests in parallel, and a slow reply once came back empty).
+    for _ in range(EVENT_FEED_RELOADS):
+        try:
+            for text in MODEL_EVENTS + AUTOMATION_EVENTS:
+                shown = page.get_by_text(text, exact=True).first
+                shown.wait_for(state="visible", timeout=EVENT_FEED_WAIT_MS)
+            break
+        except PlaywrightError:
+            page.reload()
     _wait_for(page, MODEL_EVENTS + AUTOMATION_EVENTS, exact=True)
     shots._grow_to(page, page.evaluate("document.scrollingElement.scrollHeight"), most=1800)
     time.sleep(shots.GRAPH_SETTLE_S)

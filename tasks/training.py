@@ -21,6 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
+from lightning_core.algo import frozen
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.distributed import train_data_parallel
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
@@ -113,6 +114,7 @@ def train_policy(
         )
     with gpu_slot():
         trainer = _trainer(trainer_config, previous_adapter)
+        trainer.frozen = None  # fresh rollouts: no row comes back, nothing worth keeping
         steps = [trainer.step(part) for part in _split_updates(batch, updates, seed)]
         if steps:
             metrics |= _mean(steps)
@@ -171,6 +173,9 @@ def train_offline(
     """
     with gpu_slot():
         trainer = _trainer(trainer_config, previous_adapter)
+        # The run's iterations repeat these rows: their frozen activations are kept.
+        mb = offline.frozen_cache_mb
+        trainer.frozen = frozen.shared(mb) if mb else None
         learning = [t for t in batch.transitions if t.advantage]
         steps: list[dict[str, float]] = []
         if offline.method == "auto" and updates == 1 and learning:

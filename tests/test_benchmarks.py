@@ -46,6 +46,7 @@ QUICK = (
     "ablation_sql",
     "objectives",
     "offline_gate",
+    "frozen_replay",
 )
 FIGURE = re.compile(r"^(\w+): (-?[\d.]+|nan|n/a)\b", re.M)
 
@@ -173,6 +174,14 @@ def test_offline_gate_quick():
     assert float(found["behaviour_kl_abs_diff"]) < 1e-5, text
     assert float(found["max_abs_diff"]) < 1e-6, text
     assert len(table_rows(text, "gated update")) == 1, text
+
+
+@pytest.mark.timeout(180)
+def test_frozen_replay_quick():
+    text = run_benchmark("frozen_replay", "--quick", timeout=170)
+    # The same four updates either way; the time saved is a figure, not asserted (noise).
+    assert float(figures(text)["max_abs_diff"]) < 1e-6, text
+    assert [r[0] for r in table_rows(text)][2:] == ["1", "2", "3", "4", "all"], text
 
 
 @pytest.mark.timeout(180)

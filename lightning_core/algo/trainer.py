@@ -32,6 +32,15 @@ import torch
 
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.constrained import GrammarReplay, MaskedSpan, renormalise
+from lightning_core.algo.frozen import (
+    FrozenActivations,
+    batch_key,
+    capture,
+    decoder,
+    first_adapted,
+    from_layer,
+    frozen_is_deterministic,
+)
 from lightning_core.algo.losses import (
     entropy_from_logits,
     k3,
@@ -149,8 +158,25 @@ class LoRATrainer:
             self.version = saved["version"]
             torch.set_rng_state(saved["rng"])
         self.pad_id = 0
+        # Set by whoever trains the same rows again (offline epochs): the frozen layers' output
+        # is replayed from it (frozen.py); None runs every forward pass whole.
+        self.frozen: FrozenActivations | None = None
+        # Forward passes that replayed cached frozen activations, and that computed them.
+        self.replayed = self.computed = 0
+        self._replay = self._replay_point()
         # Constrained calls are renormalised over what their grammar allowed (constrained.py).
         self._grammar = GrammarReplay(config.model, base.get_input_embeddings().num_embeddings)
+
+    def _replay_point(self) -> tuple[Any, int, tuple[Any, ...]] | None:
+        """Where a forward pass may start from cached activations (frozen.py): the decoder
+        stack, the first adapted layer and the cache key's model part; None where it may not."""
+        stack = decoder(self.model)
+        if stack is None or self.config.gradient_checkpointing:
+            return None
+        index = first_adapted(stack)
+        if not 0 < index < len(stack.layers) or not frozen_is_deterministic(stack, index):
+            return None
+        return stack, index, (resolve_model(self.config.model), str(self.dtype), index)
 
     def _adapter_limits(self) -> AdapterRules:
         # An adapter this config trains is never refused for its own rank or modules.
@@ -176,7 +202,9 @@ class LoRATrainer:
                     f"{self.config.micro_batch_tokens}; raise it"
                 )
         rows = merge_rows(transitions) if merge else [[t] for t in transitions]
-        return sorted(rows, key=row_length)
+        # Ties by call: the same transitions in any order make the same micro-batches, whose
+        # frozen activations a later epoch finds again.
+        return sorted(rows, key=lambda row: (row_length(row), row[-1].rollout_id, row[-1].step))
 
     def _micro_batches(self, rows: list[list[Transition]]) -> list[list[list[Transition]]]:
         """Consecutive groups of rows whose padded size (rows x longest row) fits the token
@@ -262,12 +290,33 @@ class LoRATrainer:
         constrained calls over their grammar's allowed tokens. On fresh rollouts they equal the
         recorded behaviour logprobs, so every importance ratio starts at 1."""
         ids, width = x["ids"], x["mask"].shape[1]
-        out = self.model(input_ids=ids, attention_mask=x["attention"], logits_to_keep=width + 1)
+        out = self._forward(ids, x["attention"], width + 1)
         logits = out.logits[:, :-1].float() / x["temperature"][:, :, None]
         logp = torch.log_softmax(logits, dim=-1)
         targets = ids[:, ids.shape[1] - width :]
         chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return renormalise(chosen, logits, masked), logits
+
+    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> Any:
+        """The model's forward pass over a micro-batch; from the first adapted layer on when
+        the frozen layers' output on these rows is cached (and cached when it is not)."""
+        if self.frozen is None or self._replay is None:
+            return self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
+        stack, index, model_key = self._replay
+        key = batch_key(model_key, ids, attention)
+        hidden = self.frozen.get(key)
+        if hidden is not None:
+            self.replayed += 1
+            with from_layer(stack, index):
+                return self.model(
+                    inputs_embeds=hidden, attention_mask=attention, logits_to_keep=keep
+                )
+        self.computed += 1
+        with capture(stack, index) as seen:
+            out = self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
+        if seen:
+            self.frozen.put(key, seen[0])
+        return out
 
     # ------------------------------------------------------------------ the update
 
@@ -405,7 +454,9 @@ class LoRATrainer:
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         weights = self.loss_weights(transitions)
+        before = (self.replayed, self.computed)
         sums = self.accumulate(transitions, objective, weights, gap=accept is not None)
+        replayed, computed = self.replayed - before[0], self.computed - before[1]
         gap = self.gap_metrics(sums) if accept is not None else {}
         if accept is not None and not accept(gap):
             self.optimizer.zero_grad(set_to_none=True)
@@ -413,6 +464,9 @@ class LoRATrainer:
         grad_norm = self.apply_gradients()
         seconds = time.perf_counter() - started
         metrics = self.step_metrics(sums, grad_norm, seconds) | self.batch_metrics(transitions)
+        if replayed + computed:
+            # The share of forward passes that skipped the frozen layers (frozen.py).
+            metrics["train/frozen_replayed_frac"] = replayed / (replayed + computed)
         return gap, metrics
 
     # The three parts of step, which a data-parallel update (distributed.py) runs with the

@@ -88,6 +88,14 @@ class OfflineConfig(BaseModel):
         description="An episode succeeded (analytics' success rate) when its reward is at "
         "least this.",
     )
+    frozen_cache_mb: int = Field(
+        1024,
+        ge=0,
+        description="Memory (MiB, per training process) for the output of the base model's "
+        "layers below the adapter (lora.top_layers) on the batch's rows: the next iteration "
+        "over the same episodes starts its forward passes above them (algo/frozen.py). About "
+        "hidden size x 4 bytes a token (2.3 KiB on SmolLM2-135M); 0 turns it off.",
+    )
 
 
 class OfflineBatch(BaseModel):
