@@ -93,8 +93,8 @@ class DriftSettings(BaseModel):
         description="Iterations (epochs over the week's episodes) of each weekly retraining "
         "run, as the train/calc-production deployment runs it. With 2 (the first two full "
         "runs) a week's version gained 4-9 points on the pinned benchmark and the loop "
-        "recovered 8-11 points in 39-78 min; with 4, 25.8 and 21.2 points in 76 and 69 min "
-        "(BENCHMARKS.md).",
+        "recovered 8-11 points in 39-78 min; with 4, 25.8, 21.2 and 22.1 points in 76, 69 "
+        "and 59 min (the last with the frozen layers replayed, on a faster day; BENCHMARKS.md).",
     )
     eval_size: int = Field(
         100,

@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -154,3 +155,50 @@ def from_layer(stack: Any, index: int) -> Iterator[None]:
         yield
     finally:
         stack.layers = layers
+
+
+@dataclass(frozen=True)
+class ReplayPoint:
+    """Where a model's forward pass may start from cached activations: its decoder stack, the
+    first adapted layer, and the model part of the cache key."""
+
+    stack: Any
+    index: int
+    model_key: tuple[Any, ...]
+
+    def forward(
+        self,
+        model: Any,
+        cache: FrozenActivations,
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        keep: int,
+    ) -> tuple[Any, bool]:
+        """`model`'s forward pass over a micro-batch (its output, and whether it replayed): from
+        the first adapted layer on when the frozen layers' output on these rows is cached, else
+        whole, keeping that output."""
+        key = batch_key(self.model_key, ids, attention)
+        hidden = cache.get(key)
+        if hidden is not None:
+            with from_layer(self.stack, self.index):
+                out = model(inputs_embeds=hidden, attention_mask=attention, logits_to_keep=keep)
+            return out, True
+        with capture(self.stack, self.index) as seen:
+            out = model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
+        if seen:
+            cache.put(key, seen[0])
+        return out, False
+
+
+def replay_point(
+    model: Any, model_name: str, dtype: torch.dtype, gradient_checkpointing: bool
+) -> ReplayPoint | None:
+    """Where `model` (PEFT-wrapped, base `model_name` in `dtype`) may replay; None where a
+    replay would not be exact (see the module's docstring)."""
+    stack = decoder(model)
+    if stack is None or gradient_checkpointing:
+        return None
+    index = first_adapted(stack)
+    if not 0 < index < len(stack.layers) or not frozen_is_deterministic(stack, index):
+        return None
+    return ReplayPoint(stack, index, (model_name, str(dtype), index))

@@ -32,15 +32,7 @@ import torch
 
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.constrained import GrammarReplay, MaskedSpan, renormalise
-from lightning_core.algo.frozen import (
-    FrozenActivations,
-    batch_key,
-    capture,
-    decoder,
-    first_adapted,
-    from_layer,
-    frozen_is_deterministic,
-)
+from lightning_core.algo.frozen import FrozenActivations, replay_point
 from lightning_core.algo.losses import (
     entropy_from_logits,
     k3,
@@ -163,20 +155,11 @@ class LoRATrainer:
         self.frozen: FrozenActivations | None = None
         # Forward passes that replayed cached frozen activations, and that computed them.
         self.replayed = self.computed = 0
-        self._replay = self._replay_point()
+        self._replay = replay_point(
+            self.model, resolve_model(config.model), self.dtype, config.gradient_checkpointing
+        )
         # Constrained calls are renormalised over what their grammar allowed (constrained.py).
         self._grammar = GrammarReplay(config.model, base.get_input_embeddings().num_embeddings)
-
-    def _replay_point(self) -> tuple[Any, int, tuple[Any, ...]] | None:
-        """Where a forward pass may start from cached activations (frozen.py): the decoder
-        stack, the first adapted layer and the cache key's model part; None where it may not."""
-        stack = decoder(self.model)
-        if stack is None or self.config.gradient_checkpointing:
-            return None
-        index = first_adapted(stack)
-        if not 0 < index < len(stack.layers) or not frozen_is_deterministic(stack, index):
-            return None
-        return stack, index, (resolve_model(self.config.model), str(self.dtype), index)
 
     def _adapter_limits(self) -> AdapterRules:
         # An adapter this config trains is never refused for its own rank or modules.
@@ -302,20 +285,9 @@ class LoRATrainer:
         the frozen layers' output on these rows is cached (and cached when it is not)."""
         if self.frozen is None or self._replay is None:
             return self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
-        stack, index, model_key = self._replay
-        key = batch_key(model_key, ids, attention)
-        hidden = self.frozen.get(key)
-        if hidden is not None:
-            self.replayed += 1
-            with from_layer(stack, index):
-                return self.model(
-                    inputs_embeds=hidden, attention_mask=attention, logits_to_keep=keep
-                )
-        self.computed += 1
-        with capture(stack, index) as seen:
-            out = self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
-        if seen:
-            self.frozen.put(key, seen[0])
+        out, replayed = self._replay.forward(self.model, self.frozen, ids, attention, keep)
+        self.replayed += replayed
+        self.computed += not replayed
         return out
 
     # ------------------------------------------------------------------ the update
