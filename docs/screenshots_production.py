@@ -41,7 +41,7 @@ SECRET = "reload-secret-for-screenshots"
 MODEL_EVENTS = ["lightning.model.promoted", "lightning.model.canary-started"]
 # What the automation did on the canary's event: in the same feed, waited for as well.
 AUTOMATION_EVENTS = ["prefect.automation.triggered", "prefect.automation.action.executed"]
-# The event feed is reloaded up to this many times, waiting this long each, for its first event.
+# The event feed is reloaded up to this many times, waiting this long for each event.
 EVENT_FEED_RELOADS = 4
 EVENT_FEED_WAIT_MS = 20_000
 # A worker asks for scheduled runs every 2 s instead of 10: the screenshot waits less.

@@ -33,24 +33,19 @@ REPLAYABLE = frozenset({"LlamaModel"})
 
 class FrozenActivations:
     """A process-wide LRU of hidden states, bounded in bytes; thread-safe (tasks may run in
-    threads). `hits` and `misses` count lookups, for the step's metrics."""
+    threads). Each trainer counts its own replays (several may share the cache)."""
 
     def __init__(self, budget_mb: int) -> None:
         self.budget = budget_mb * 2**20
         self.used = 0
-        self.hits = 0
-        self.misses = 0
         self._entries: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: tuple[Any, ...]) -> torch.Tensor | None:
         with self._lock:
             found = self._entries.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
+            if found is not None:
+                self._entries.move_to_end(key)
             return found
 
     def put(self, key: tuple[Any, ...], hidden: torch.Tensor) -> None:
@@ -60,9 +55,7 @@ class FrozenActivations:
         with self._lock:
             if key in self._entries:
                 return
-            while self.used + size > self.budget:
-                _, old = self._entries.popitem(last=False)
-                self.used -= old.numel() * old.element_size()
+            self._evict_to(self.budget - size)
             self._entries[key] = hidden
             self.used += size
 
@@ -70,9 +63,14 @@ class FrozenActivations:
         """A new budget: the oldest entries leave until the rest fits."""
         with self._lock:
             self.budget = budget_mb * 2**20
-            while self.used > self.budget:
-                _, old = self._entries.popitem(last=False)
-                self.used -= old.numel() * old.element_size()
+            self._evict_to(self.budget)
+
+    def _evict_to(self, limit: int) -> None:
+        """Drop the least recently used entries until at most `limit` bytes are held (the
+        caller holds the lock)."""
+        while self.used > limit:
+            _, old = self._entries.popitem(last=False)
+            self.used -= old.numel() * old.element_size()
 
 
 _SHARED: FrozenActivations | None = None
