@@ -20,6 +20,10 @@ from lightning_core.errors import IllegalTransition, InvalidInput, PayloadTooLar
 
 # Rewards must be real numbers: a NaN or an infinity poisons every mean it enters.
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# The store keeps token ids and steps as DuckDB INTEGER (32 bits): larger ones are refused here,
+# at the edge, rather than by the store's database after the writer was told they are stored.
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 # Caps on the free-form JSON a client stores. The store keeps every rollout, episode and
 # feedback row in memory and sends each one whole in every query that finds it, so one
@@ -274,10 +278,12 @@ class Transition(_Model):
 
     rollout_id: str
     attempt_id: str | None = None
-    step: int = Field(ge=0, description="Order of the call within the rollout, from 0.")
+    step: int = Field(
+        ge=0, le=INT32_MAX, description="Order of the call within the rollout, from 0."
+    )
     agent_name: str | None = None
-    prompt_token_ids: list[int]
-    response_token_ids: list[int]
+    prompt_token_ids: list[TokenId]
+    response_token_ids: list[TokenId]
     response_logprobs: list[FiniteFloat] = Field(default_factory=list)
     reward: FiniteFloat = 0.0
     advantage: FiniteFloat | None = None

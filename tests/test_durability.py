@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from lightning_core.errors import LightningError
@@ -44,10 +46,11 @@ async def _writer(client: HttpStoreClient, n: int, acked: dict, stop: asyncio.Ev
     name="store SIGKILLed mid-write",
     injected="SIGKILL to `lightning-rl serve` while 8 writers enqueue, claim, add spans, complete",
     outcome="every acknowledged rollout, span and completion is in the file after a restart on "
-    "it, and the restarted store takes new work",
+    "it, and the restarted store takes new work (also with its database worker killed at once)",
 )
 @pytest.mark.timeout(180)
-async def test_acknowledged_writes_survive_sigkill(tmp_path):
+@pytest.mark.parametrize("with_worker", [False, True], ids=["server", "server+worker"])
+async def test_acknowledged_writes_survive_sigkill(tmp_path, with_worker):
     db = tmp_path / "store.duckdb"
     port = free_port()
     server = start_server(db, port)
@@ -63,8 +66,14 @@ async def test_acknowledged_writes_survive_sigkill(tmp_path):
                 break
             await asyncio.sleep(0.1)
         assert len(acked["completed"]) > 20, "the writers made too little progress to test"
-        # Kill mid-stream: requests are in flight at this moment.
-        server.send_signal(signal.SIGKILL)
+        # Kill mid-stream: requests are in flight at this moment. With the database worker too,
+        # acknowledged commits may be only in the store's write-ahead log (docs/store.md).
+        victims = [server.pid]
+        if with_worker:
+            victims += [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
+            assert len(victims) > 1, "the store's database worker was not found"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
         server.wait(timeout=10)
         await asyncio.wait_for(asyncio.gather(*writers), timeout=30)
     finally:

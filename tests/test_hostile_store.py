@@ -138,6 +138,19 @@ async def test_stored_payloads_over_their_cap_are_413_naming_the_field(served, h
             await client.open_episode("hostile-2", metadata=big_labels)
 
 
+async def test_numbers_the_store_cannot_hold_are_refused_at_the_edge(served, http):
+    """Finding: a token id or step past 32 bits reached the store's database, which refused the
+    commit, and a refused commit stops the store for everyone."""
+    [rollout] = http.post("/store/rollouts", json={"rollouts": [{"input": 1}]}).json()
+    for bad in ({"prompt_token_ids": [2**40]}, {"step": 2**40}, {"response_token_ids": [-1]}):
+        transition = {"rollout_id": rollout["rollout_id"], "step": 0, "prompt_token_ids": [1],
+                      "response_token_ids": [2], **bad}  # fmt: skip
+        r = http.post("/store/transitions", json={"transitions": [transition]})
+        assert r.status_code == 422, r.text[:300]
+    # The store goes on taking writes.
+    assert http.post("/store/rollouts", json={"rollouts": [{"input": 2}]}).status_code == 200
+
+
 async def test_queries_answer_in_pages_and_the_client_pages_through(served, http):
     """Finding: `POST /store/rollouts/query {}` returned the whole store (100 MB) in one body.
     It now answers one page (PAGE_SIZE) and a cursor; the client follows the cursors, so its

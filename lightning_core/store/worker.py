@@ -6,14 +6,16 @@ call, and in the server's process they fought the event loop for it, so that a 5
 instead of between its steps, and queries come back as finished JSON, so the server forwards
 them without parsing.
 
-Protocol: length-prefixed pickle frames on the child's stdin/stdout, `(request_id, op, payload)`
-one way and `(request_id, ok, result)` the other. Requests: `commit` (rows per table, one
-transaction), `query` (SQL and parameters; the answer is a JSON array of row objects whose JSON
+Protocol: length-prefixed pickle frames on the child's stdin/stdout (between these two processes
+only; nothing from outside), `(request_id, op, payload)` one way and `(request_id, ok, result)`
+the other. Requests: `commit` (rows per table, one transaction, sent as the write-ahead log
+keeps them), `query` (SQL and parameters; the answer is a JSON array of row objects whose JSON
 columns are embedded as JSON, and, for a page, the cursor of the next one), `archive` (a batch of
-episodes moved to Parquet, archive.py), `checkpoint` and `close`. Commits, archives and
-checkpoints run one after another on one writer thread, in the order they were asked. The
-child answers a commit only after DuckDB has committed (and fsynced) it, and exits when its
-stdin closes, so it never outlives its store.
+episodes moved to Parquet, archive.py), `checkpoint` and `close`. The child answers a commit once
+its rows are in the write-ahead log and fsynced (wal.py), inserts them into DuckDB behind it, and
+answers a query once DuckDB holds every commit that arrived before it (commits.py); commits,
+archives and checkpoints take effect in the order they were asked. The child exits when its
+stdin closes, after applying every commit, so it never outlives its store.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lightning_core.errors import StoreUnavailable
+from lightning_core.store import wal
 
 _HEADER = struct.Struct("!I")
 # How long a new worker waits for the file lock: the worker of a store that was just killed
@@ -114,6 +117,16 @@ class DatabaseWorker:
 
     def _send_requests(self) -> None:
         while (request := self._outbox.get()) is not None:
+            request_id, op, payload = request
+            if op == "commit":
+                # As the write-ahead log keeps it (wal.py), encoded here, off the event loop.
+                try:
+                    request = (request_id, op, wal.encode(payload))
+                except (TypeError, ValueError, OverflowError) as exc:
+                    loop, future = self._pending.pop(request_id, (None, None))
+                    if future is not None:
+                        _settle_from_thread(loop, future, False, f"cannot encode rows: {exc}")
+                    continue
             try:
                 _write_frame(self._proc.stdin, self._send_lock, request)
             except (BrokenPipeError, ValueError, OSError) as exc:
@@ -275,7 +288,8 @@ def child_main(db: str, threads: int, open_timeout_s: float, archive_dir: str = 
     """The worker process: owns the DuckDB file until its stdin closes."""
     import orjson
 
-    from lightning_core.store import archive, schema
+    from lightning_core.store import archive, schema, wal
+    from lightning_core.store.commits import CommitPipeline, replay
 
     # Frames own stdout; anything a library prints goes to stderr instead.
     out = os.fdopen(os.dup(1), "wb")
@@ -301,7 +315,17 @@ def child_main(db: str, threads: int, open_timeout_s: float, archive_dir: str = 
         if archive_dir:
             # Before loading: a batch an archive was killed in must not be loaded as live too.
             archive.recover(con, Path(archive_dir))
+        # Then the commits acknowledged but not yet in DuckDB when the last worker died.
+        log = None
+        next_seq = wal.applied_seq(con) + 1
+        if (folder := wal.folder_of(db)) is not None:
+            log = wal.WriteAheadLog(folder)
+            next_seq = replay(con, log) + 1
+            log.reset()
         _write_frame(out, lock, (0, True, _load(con)))
+    except StoreUnavailable as exc:  # the write-ahead log says what is wrong with it
+        _write_frame(out, lock, (0, False, str(exc)))
+        return 3
     except Exception as exc:
         _write_frame(
             out,
@@ -311,81 +335,50 @@ def child_main(db: str, threads: int, open_timeout_s: float, archive_dir: str = 
         )  # fmt: skip
         return 3
 
-    tables = {t.name: t for t in schema.TABLES}
-    writes: queue.Queue[tuple[int, str, Any] | None] = queue.Queue()
+    pipeline = CommitPipeline(
+        con.cursor(), log, next_seq, lambda *answer: _write_frame(out, lock, answer)
+    )
     local = threading.local()
 
-    def write_loop() -> None:
-        cursor = con.cursor()
-        while (item := writes.get()) is not None:
-            request_id, op, batch = item
-            if op != "commit":
-                try:
-                    if op == "archive":
-                        folder, name, ids, bounds, at = batch
-                        result = archive.archive_batch(cursor, Path(folder), name, ids, bounds, at)
-                    else:
-                        result = archive.checkpoint(cursor)
-                except Exception as exc:
-                    _write_frame(out, lock, (request_id, False, repr(exc)))
-                    continue
-                _write_frame(out, lock, (request_id, True, result))
-                continue
-            statements = ["BEGIN"]
-            try:
-                for name, rows in batch.items():
-                    view = f"_lightning_{name}"
-                    cursor.register(view, tables[name].to_arrow(rows))
-                    statements.append(f"INSERT INTO {name} SELECT * FROM {view}")
-                statements.append("COMMIT")
-                cursor.execute("; ".join(statements))
-            except Exception as exc:
-                with contextlib.suppress(Exception):
-                    cursor.execute("ROLLBACK")
-                _write_frame(out, lock, (request_id, False, repr(exc)))
-                continue
-            _write_frame(out, lock, (request_id, True, None))
-
     def query(
-        request_id: int, sql: str, params: list[Any], page: tuple[int, tuple[str, ...]] | None
+        request_id: int,
+        mark: int,
+        sql: str,
+        params: list[Any],
+        page: tuple[int, tuple[str, ...]] | None,
     ) -> None:
         try:
+            pipeline.wait_applied(mark)
             cursor = getattr(local, "cursor", None)
             if cursor is None:
                 cursor = local.cursor = con.cursor()
-            result = cursor.execute(sql, params)
-            columns = [d[0] for d in result.description]
-            json_columns = [c in schema.JSON_FIELDS for c in columns]
-            fetched = result.fetchall()
+            # DuckDB writes each row as JSON itself (JSON columns embedded as JSON, floats
+            # exact): building the rows in Python held the worker's GIL for tens of ms a page,
+            # and the write-ahead log's acknowledgements waited behind it.
+            keys = page[1] if page is not None else ()
+            extra = "".join(f', q."{key}"' for key in keys)
+            fetched = cursor.execute(
+                f"SELECT to_json(q)::VARCHAR{extra} FROM ({sql}) q", params
+            ).fetchall()
             following = None
             if page is not None and len(fetched) > page[0]:
                 fetched = fetched[: page[0]]
-                last = dict(zip(columns, fetched[-1], strict=True)) if fetched else {}
-                following = orjson.dumps([last.get(c) for c in page[1]]).decode()
-            rows = [
-                {
-                    c: (orjson.Fragment(v) if j and v is not None else v)
-                    for c, j, v in zip(columns, json_columns, row, strict=True)
-                }
-                for row in fetched
-            ]
-            _write_frame(out, lock, (request_id, True, (orjson.dumps(rows), following)))
+                following = orjson.dumps(list(fetched[-1][1:]) if fetched else []).decode()
+            body = ("[" + ",".join(row[0] for row in fetched) + "]").encode()
+            _write_frame(out, lock, (request_id, True, (body, following)))
         except Exception as exc:
             _write_frame(out, lock, (request_id, False, repr(exc)))
 
-    writer = threading.Thread(target=write_loop, name="writer")
-    writer.start()
     readers = ThreadPoolExecutor(2, thread_name_prefix="reader")
     while (frame := _read_frame(inp)) is not None:
         request_id, op, payload = frame
         if op in ("commit", "archive", "checkpoint"):
-            writes.put((request_id, op, payload))
+            pipeline.submit(request_id, op, payload)
         elif op == "query":
-            readers.submit(query, request_id, *payload)
+            readers.submit(query, request_id, pipeline.read_mark(), *payload)
     # stdin closed: the store closed, or its process died. Finish what was asked, then close
     # the file (DuckDB checkpoints on close, so the next start replays no WAL).
-    writes.put(None)
-    writer.join()
+    pipeline.close()
     readers.shutdown(wait=True)
     con.close()
     return 0
