@@ -7,9 +7,10 @@ final span and a final reward in [1, 2]. Runners poll the store for work over HT
 the algorithm side enqueues batches, waits for them, and reads every rollout's spans back and
 checks them (the task attribute is there, the final reward is in [1, 2]).
 
-Our side: `lightning-rl serve` on a DuckDB file (durable: a write is acknowledged after its
-commit is fsynced), 32 runners as coroutines in separate runner processes, spans of a rollout
-sent in one `add_spans` call (which the client coalesces across runners).
+Our side: `lightning-rl serve` on a DuckDB file (durable: a write is acknowledged after it is in
+the store's write-ahead log and fsynced), 32 runners as coroutines in separate runner
+processes, spans of a rollout sent in one `add_spans` call (which the client coalesces across
+runners).
 
     python benchmarks/store_throughput.py            # both stores, prints the table
     python benchmarks/store_throughput.py --skip-peer --total 512

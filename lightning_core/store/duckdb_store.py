@@ -4,12 +4,13 @@ How it stays fast and durable at once:
 - The live state (rollouts, attempts, the queue) is kept in memory and changed on the event loop,
   one operation at a time, so every check and status move is atomic without locks.
 - Every change appends rows to a pending batch. The database worker process (worker.py) commits
-  the pending batch as one DuckDB transaction (group commit; DuckDB fsyncs its WAL on commit),
-  and an operation returns only after the batch holding its rows has committed. While one batch
-  commits, the next one fills, so a thousand concurrent writers cost a few fsyncs, not a
-  thousand.
-- Reads of spans and transitions first wait for the batch in flight, so they see every write
-  that was acknowledged before them.
+  the pending batch (group commit): it appends it to the store's write-ahead log and fsyncs it
+  (wal.py), answers, and inserts it into DuckDB behind that (commits.py). An operation returns
+  only after the batch holding its rows is committed. While one batch commits, the next one
+  fills, so a thousand concurrent writers cost a few fsyncs, not a thousand.
+- Reads of spans and transitions first wait for the batch in flight, and the worker answers a
+  read once DuckDB holds every commit before it, so reads see every write acknowledged before
+  them.
 On start the live state is rebuilt from the latest row of each rollout and attempt in the logs.
 
 Parts of the class live beside it: policy versions (policies.py), production episodes and their
