@@ -76,17 +76,9 @@ PROFILES: dict[str, AgentProfile] = {
         agent="lightning_rl.agents.sql:agent",
         tasks="lightning_rl.agents.sql:load_tasks",
         registered_model="lightning-sql",
-        # A query that runs and returns rows earns its writer (the call before the tool span) a
-        # small bonus: before a model writes right queries it must write ones that run, and a
-        # group whose queries all miss still learns that. Small beside the 1 of a right answer.
-        air=[
-            AIRRule(
-                name=semconv.TOOL_SPAN,
-                outcome="success",
-                attributes={"returned_rows": True},
-                reward=0.1,
-            )
-        ],
+        # No AIR: a bonus for a query that returned rows paid wrong queries as much as nearly
+        # right ones (the final policy of the demo returned rows more often but was mostly
+        # wrong); the train split's graded reward (agents/sql/reward.py) replaces it.
         # Selective optimisation, as in the paper: the checker's calls are not trained.
         train_agents=["writer", "rewriter"],
         # Up to 5 calls of up to 128 tokens each, queued with many other rollouts on a CPU.

@@ -141,7 +141,10 @@ def test_splits_are_fixed_disjoint_and_cover_every_question():
     assert {t["db"] for t in test[:10]} == set(DATABASES)  # a prefix mixes databases
     only = load_tasks("train", 10_000, "university")
     assert only and {t["db"] for t in only} == {"university"}
-    assert set(train[0]) == {"id", "question", "db", "gold_sql", "ordered", "tier"}
+    assert set(test[0]) == {"id", "question", "db", "gold_sql", "ordered", "tier"}
+    # Training tasks, and only they, grade near misses (the test split's benchmark is as it was).
+    assert set(train[0]) == set(test[0]) | {"partial_credit"}
+    assert all(t["partial_credit"] for t in train) and not any("partial_credit" in t for t in test)
 
 
 def test_task_loader_rejects_bad_arguments():
@@ -525,23 +528,29 @@ def test_tiers_follow_the_gold_querys_shape_and_every_split_has_each():
         assert {t["tier"] for t in tasks} == set(TIERS)
 
 
-def test_the_sql_air_rule_rewards_a_query_that_returned_rows_only():
-    from lightning_core.types import Span
+def test_training_tasks_grade_near_misses_and_held_out_tasks_do_not():
     from lightning_rl.flows.profiles import PROFILES
 
-    [rule] = PROFILES["sql"].air
-
-    def tool_span(**attributes) -> Span:
-        return Span(
-            rollout_id="r",
-            attempt_id="a",
-            trace_id="t",
-            span_id="s",
-            name=semconv.TOOL_SPAN,
-            start_time=0.0,
-            attributes={semconv.TOOL_SUCCESS: True, **attributes},
-        )
-
-    assert rule.matches(tool_span(rows=3, returned_rows=True)) and rule.reward > 0
-    assert not rule.matches(tool_span(rows=0, returned_rows=False))
-    assert not rule.matches(tool_span(**{semconv.TOOL_SUCCESS: False}))
+    gold = {"db": "chinook", "gold_sql": "SELECT name FROM genre WHERE genre_id <= 2",
+            "ordered": False}  # fmt: skip
+    train = {**gold, "partial_credit": True}
+    # Same table and columns, 2 of its 4 rows gold: 0.5 x (0.25 + 0.25 + 0.5 x 2*2/(4+2)).
+    near = "SELECT name FROM genre WHERE genre_id <= 4"
+    assert sql_reward(near, train) == pytest.approx(0.5 * (0.25 + 0.25 + 0.5 * 4 / 6))
+    # Another table: its columns are other columns, and no row is shared.
+    assert sql_reward("SELECT title FROM album WHERE album_id = 1", train) == 0.0
+    # A query that fails, or returns nothing, earns nothing, whatever it names.
+    assert sql_reward("SELECT nme FROM genre", train) == 0.0
+    assert sql_reward("SELECT name FROM genre WHERE 0", train) == 0.0
+    # A right answer is 1 either way; a held-out task scores exact matches only.
+    assert sql_reward(gold["gold_sql"], train) == 1.0
+    assert sql_reward(near, gold) == 0.0
+    # The tables' and columns' names count wherever a query names them, quoted or in any
+    # case; names inside string literals do not.
+    assert sql_reward('SELECT "Name" FROM Genre WHERE Genre_Id <= 4', train) == sql_reward(
+        near, train
+    )
+    literal = "SELECT name FROM genre WHERE genre_id <= 4 AND name <> 'album title'"
+    assert sql_reward(literal, train) == sql_reward(near, train)
+    # The graded reward replaces the AIR bonus for a query that returned rows.
+    assert PROFILES["sql"].air == []

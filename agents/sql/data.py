@@ -2,6 +2,7 @@
 
 A task is a plain dict `{"id", "question", "db", "gold_sql", "ordered", "tier"}`; `tier` is
 easy, medium or hard (tiers.py), what a curriculum samples by and evaluation breaks down by.
+Train tasks also carry `"partial_credit": True`: their reward grades near misses (reward.py).
 Its id is a hash of its database and question, and the split follows that hash (about 70%
 train, 30% test), so a question's split never changes when questions are added or removed.
 Within a split, tasks come in hash order: any prefix mixes databases and question shapes.
@@ -31,7 +32,7 @@ def split_of(q: Question) -> Split:
 
 
 def task(q: Question) -> dict[str, Any]:
-    return {
+    found = {
         "id": f"{q.db}-{_digest(q)[:10]}",
         "question": q.question,
         "db": q.db,
@@ -39,6 +40,11 @@ def task(q: Question) -> dict[str, Any]:
         "ordered": q.ordered,
         "tier": tier_of(q.gold_sql),
     }
+    if split_of(q) == "train":
+        # Training rewards near misses (reward.graded_reward); held-out tasks stay as they
+        # were, exact matches only, so the benchmark they define is the same.
+        found["partial_credit"] = True
+    return found
 
 
 def load_tasks(split: Split, size: int, source: str | None = None) -> list[dict[str, Any]]:
