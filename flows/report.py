@@ -54,6 +54,19 @@ def reward_curve(
     return path
 
 
+SIGNAL_SHARE = "rollout/signal_share"
+
+
+def with_signal_share(history: pd.DataFrame) -> pd.DataFrame:
+    """The history with the share of each iteration's groups that had a learning signal, where
+    it logged the groups drawn and those with a signal (dynamic sampling's metrics)."""
+    drawn, signal = "rollout/tasks_drawn", "rollout/groups_with_signal"
+    if drawn not in history.columns or signal not in history.columns:
+        return history
+    share = history[signal] / history[drawn].where(history[drawn] > 0)
+    return history.assign(**{SIGNAL_SHARE: share})
+
+
 def _table(frame: pd.DataFrame, columns: list[str]) -> str:
     shown = [c for c in columns if c in frame.columns]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
@@ -94,6 +107,7 @@ def markdown(
             f"Gain over the base model: **{gain:+.1f} points**.",
             "",
         ]
+    history = with_signal_share(history)
     encoded = base64.b64encode(curve.read_bytes()).decode()
     parts += [
         "## Reward curve",
@@ -114,10 +128,18 @@ def markdown(
                 "rollout/tokens_per_action",
                 "rollout/tool_error_rate",
                 "credit/zero_advantage_fraction",
+                "rollout/tasks_drawn",
+                SIGNAL_SHARE,
             ],
         ),
         "",
     ]
+    if SIGNAL_SHARE in history.columns:
+        parts += [
+            f"`{SIGNAL_SHARE}`: the share of the iteration's groups (tasks drawn) whose "
+            "rollouts did not all earn the same reward; a group without one teaches nothing.",
+            "",
+        ]
     if live is not None and not live.empty:
         parts += [
             "## Live reward per policy version",
