@@ -1,9 +1,11 @@
 """How the database worker (worker.py) acknowledges writes and then applies them to DuckDB.
 
 Two threads, in the order the requests arrived:
-- the log thread appends every commit that arrived meanwhile to the write-ahead log (wal.py) with
-  one fsync, answers each of them, and passes them on; archives and checkpoints pass through it
-  untouched, so that they stay ordered after the commits that arrived before them;
+- the log thread turns each commit that arrived meanwhile into Arrow tables of its columns' types
+  (a commit DuckDB could not hold is refused here, never acknowledged), appends them all to the
+  write-ahead log (wal.py) with one fsync, answers each, and passes them on; archives and
+  checkpoints pass through it untouched, so that they stay ordered after the commits that
+  arrived before them;
 - the apply thread inserts runs of consecutive commits into DuckDB as one transaction, together
   with the log position they reach (one transaction instead of one per commit: DuckDB's cost is
   per transaction), runs archives and checkpoints between them, and raises the applied watermark.
