@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from lightning_core.store import archive, wal
+from lightning_core.store import archive, schema, wal
 
 # How many bytes of acknowledged commits may wait for DuckDB before the log thread waits too:
 # bounds the worker's memory when DuckDB falls behind, and turns into back-pressure on writers.
@@ -42,6 +42,7 @@ APPLY_DELAY_S = 0.1
 MAX_REPLAY_BYTES = 32 * 1024 * 1024
 
 Answer = Callable[[int, bool, Any], None]
+_TABLES = {t.name: t for t in schema.TABLES}
 _NOTHING = object()
 _WAKE = object()  # put by a read that waits: apply what is gathered now
 
@@ -51,12 +52,9 @@ class CommitPipeline:
     reads wait for."""
 
     def __init__(self, con: Any, log: wal.WriteAheadLog | None, next_seq: int, answer: Answer):
-        from lightning_core.store import schema
-
         self._con = con
         self._log = log
         self._answer = answer
-        self._tables = {t.name: t for t in schema.TABLES}
         self._incoming: queue.SimpleQueue[tuple[int, str, Any, int] | None] = queue.SimpleQueue()
         self._logged: queue.SimpleQueue[tuple[int, str, Any, int] | None] = queue.SimpleQueue()
         self._state = threading.Condition()
@@ -136,7 +134,7 @@ class CommitPipeline:
         for request_id, op, payload, seq in items:
             if op == "commit":
                 try:
-                    tables = self._to_arrow(payload)
+                    tables = arrow_tables(payload)
                 except Exception as exc:
                     self._answer(request_id, False, f"rows the store cannot hold: {exc!r}")
                     # Passed on empty, unlogged: the watermark reads wait for still moves past it.
@@ -176,11 +174,6 @@ class CommitPipeline:
                 self._answer(request_id, True, None)
         for item in passed:
             self._logged.put(item)
-
-    def _to_arrow(self, payload: bytes) -> dict[str, Any]:
-        return {
-            name: self._tables[name].to_arrow(rows) for name, rows in wal.decode(payload).items()
-        }
 
     # ------------------------------------------------------------------ the apply thread
 
@@ -254,6 +247,11 @@ class CommitPipeline:
             self._state.notify_all()
 
 
+def arrow_tables(payload: bytes) -> dict[str, pa.Table]:
+    """A commit's rows (a log record's payload) as Arrow tables of their columns' types."""
+    return {name: _TABLES[name].to_arrow(rows) for name, rows in wal.decode(payload).items()}
+
+
 def apply_tables(con: Any, commits: list[dict[str, pa.Table]], seq: int) -> None:
     """Insert the commits' tables and record `seq` as applied, in one transaction."""
     by_name: dict[str, list[pa.Table]] = {}
@@ -281,16 +279,12 @@ def apply_tables(con: Any, commits: list[dict[str, pa.Table]], seq: int) -> None
 
 def replay(con: Any, log: wal.WriteAheadLog) -> int:
     """Insert the log's records DuckDB does not hold yet; returns the last sequence number."""
-    from lightning_core.store import schema
-
-    tables = {t.name: t for t in schema.TABLES}
     last = wal.applied_seq(con)
     batch: list[dict[str, pa.Table]] = []
     size = 0
     pending_seq = last
     for seq, payload in log.records(after=last):
-        rows = wal.decode(payload)
-        batch.append({name: tables[name].to_arrow(table_rows) for name, table_rows in rows.items()})
+        batch.append(arrow_tables(payload))
         size += len(payload)
         pending_seq = seq
         if size >= MAX_REPLAY_BYTES:

@@ -28,6 +28,7 @@ from pathlib import Path
 import msgpack
 
 from lightning_core.errors import StoreUnavailable
+from lightning_core.store.archive import fsync_path
 
 _RECORD = struct.Struct("!IQI")  # payload length, sequence number, CRC-32 of the payload
 _SUFFIX = ".seg"
@@ -60,14 +61,6 @@ def applied_seq(con) -> int:
 def set_applied_sql(seq: int) -> str:
     """The statements that record `seq` as applied; part of the transaction that applies it."""
     return f"DELETE FROM wal_applied; INSERT INTO wal_applied VALUES ({int(seq)})"
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class WriteAheadLog:
@@ -139,7 +132,7 @@ class WriteAheadLog:
         self._file = open(path, "ab")  # noqa: SIM115 (kept open across appends)
         self._size = self._file.tell()
         # The new file's name must survive a crash as well as its records.
-        _fsync_dir(self.folder)
+        fsync_path(self.folder)
         with self._lock:
             self._segments.append((first_seq, path))
 

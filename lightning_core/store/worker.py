@@ -317,11 +317,12 @@ def child_main(db: str, threads: int, open_timeout_s: float, archive_dir: str = 
             archive.recover(con, Path(archive_dir))
         # Then the commits acknowledged but not yet in DuckDB when the last worker died.
         log = None
-        next_seq = wal.applied_seq(con) + 1
         if (folder := wal.folder_of(db)) is not None:
             log = wal.WriteAheadLog(folder)
-            next_seq = replay(con, log) + 1
+            last = replay(con, log)
             log.reset()
+        else:
+            last = wal.applied_seq(con)
         _write_frame(out, lock, (0, True, _load(con)))
     except StoreUnavailable as exc:  # the write-ahead log says what is wrong with it
         _write_frame(out, lock, (0, False, str(exc)))
@@ -336,7 +337,7 @@ def child_main(db: str, threads: int, open_timeout_s: float, archive_dir: str = 
         return 3
 
     pipeline = CommitPipeline(
-        con.cursor(), log, next_seq, lambda *answer: _write_frame(out, lock, answer)
+        con.cursor(), log, last + 1, lambda *answer: _write_frame(out, lock, answer)
     )
     local = threading.local()
 
