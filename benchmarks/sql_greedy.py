@@ -133,7 +133,7 @@ def from_run(run: Path) -> dict[str, list[tuple[str, str, str]]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--split", choices=("train", "test"), default="test")
+    parser.add_argument("--split", choices=("train", "test", "kinds"), default="test")
     parser.add_argument("--arms", default="free,grammar", help="Comma-separated: free, grammar.")
     parser.add_argument("--concurrency", type=int, default=8, help="Questions at once.")
     parser.add_argument(

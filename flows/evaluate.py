@@ -41,15 +41,20 @@ def evaluate(
     rollout_timeout_s: float | None = None,
     run_dir: str = "runs",
     registry: RegistryConfig | None = None,
+    split: str = "test",
 ) -> dict[str, Any]:
     """Score `policy` on the agent's held-out split: 'base' (the base model), 'champion' or
-    another alias, or a registered model version number."""
+    another alias, or a registered model version number. `split` is 'test' (the benchmark
+    the registry's scores are on) or another held-out split the agent's loader serves, such
+    as the example agents' 'kinds'; a score on another split is not recorded on the version."""
     log = get_run_logger()
     if eval_size < 1:
         raise InvalidInput(f"eval_size must be at least 1, not {eval_size}")
+    if split == "train":
+        raise InvalidInput("split 'train' is what training draws from, not a held-out split")
     spec = profile(agent, tasks)
     config = resolve(registry, spec.registered_model)
-    test_tasks = spec.load_tasks("test", eval_size, task_source)
+    test_tasks = spec.load_tasks(split, eval_size, task_source)
     root = Path(run_dir).resolve() / f"eval-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True, exist_ok=True)
 
@@ -86,7 +91,7 @@ def evaluate(
             key_file=server.key_file,
         ).result()
     log.info("held-out: %s on benchmark %s", result.summary(), result.benchmark_id)
-    if found is not None and result.benchmark_id is not None:
+    if found is not None and result.benchmark_id is not None and split == "test":
         record_score(config, found.version, result.score, result.benchmark_id, result.tasks)
     with tracking(
         config, run_name=root.name, tags={"agent": spec.name, "kind": "evaluation"}
@@ -96,6 +101,7 @@ def evaluate(
                 "policy": policy,
                 "version": found.version if found else "base",
                 "tasks": eval_size,
+                "split": split,
                 "benchmark_id": result.benchmark_id,
             },
             run_id=run.info.run_id,
@@ -105,6 +111,7 @@ def evaluate(
         "agent": spec.name,
         "policy": policy,
         "version": found.version if found else None,
+        "split": split,
         "registered_score": found.score if found else None,
         **result.model_dump(),
     }

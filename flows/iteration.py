@@ -25,7 +25,7 @@ from lightning_core.rollouts.curriculum import Curriculum
 from lightning_core.rollouts.dynamic_sampling import sample_rounds
 from lightning_rl.flows import pipeline, progress, report
 from lightning_rl.flows.config import TrainConfig
-from lightning_rl.flows.held_out import evaluate, record_evaluation
+from lightning_rl.flows.held_out import evaluate, evaluate_extra_splits, record_evaluation
 from lightning_rl.flows.profiles import AgentProfile, profile
 from lightning_rl.flows.redacted import flow
 from lightning_rl.flows.run_context import (
@@ -241,10 +241,12 @@ def train_iteration(
     metrics = {"iteration": it, "policy": policy, **analysis["metrics"], **sampled}
     metrics |= {**trained, **overlap}
     _record_iteration(run, checkpoint, metrics)
-    evaluations = checkpoint.evaluations
+    evaluations, splits = checkpoint.evaluations, checkpoint.split_evaluations
     if it % config.evaluation.eval_every == 0 or it == config.iterations:
         result = evaluate(config, agent, run, policy)
         evaluations = record_evaluation(run, checkpoint, it, result)
+    if it == config.iterations:
+        splits = evaluate_extra_splits(config, agent, run, checkpoint, it, policy)
     done = checkpoint.model_copy(
         update={
             "iteration": it,
@@ -252,6 +254,7 @@ def train_iteration(
             "adapter_dir": adapter_dir,
             "learnability": dict(curriculum.learnability),
             "evaluations": evaluations,
+            "split_evaluations": splits,
             "history": [*checkpoint.history, metrics],
         }
     )

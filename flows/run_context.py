@@ -63,10 +63,11 @@ def train_tasks(config: TrainConfig, root: str | None = None) -> list[dict[str, 
     )
 
 
-def heldout_tasks(config: TrainConfig) -> list[dict[str, Any]]:
-    """The held-out benchmark's tasks."""
+def heldout_tasks(config: TrainConfig, split: str = "test") -> list[dict[str, Any]]:
+    """The held-out benchmark's tasks, or those of another held-out split
+    (evaluation.extra_splits)."""
     return _load_tasks(
-        config.agent, config.tasks, "test", config.evaluation.eval_size, config.data.task_source
+        config.agent, config.tasks, split, config.evaluation.eval_size, config.data.task_source
     )
 
 

@@ -21,7 +21,7 @@ from lightning_core.data import analytics
 from lightning_core.stats.comparison import Comparison, compare
 from lightning_core.stats.evaluation import EvalResult
 from lightning_rl.flows import data_plan, progress, report
-from lightning_rl.flows.run_context import RunContext, credit, policy_agents
+from lightning_rl.flows.run_context import RunContext, credit, heldout_tasks, policy_agents
 from lightning_rl.flows.run_start import Start
 from lightning_rl.flows.run_state import Checkpoint
 from lightning_rl.registry.promotion import PromotionDecision
@@ -72,6 +72,36 @@ def _compare(start: Start, evals: list[tuple[int, EvalResult]]) -> Comparison:
     return comparison
 
 
+def _compare_splits(start: Start, checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
+    """Each extra held-out split, base vs final: written beside the test split's comparison
+    (heldout_<split>_comparison.json) and logged; the summary's `splits`."""
+    config, found = start.config, {}
+    for split, evals in checkpoint.split_evaluations.items():
+        if len(evals) < 2:
+            continue  # a run stopped before its end: no final to compare
+        base, final = evals[0].restored(), evals[-1].restored()
+        comparison = compare(
+            base,
+            final,
+            heldout_tasks(config, split),
+            config.curriculum.tier_key,
+            credit(config, start.agent).success_threshold,
+            config.seed,
+        )
+        path = start.root / f"heldout_{split}_comparison.json"
+        path.write_text(comparison.model_dump_json(indent=2))
+        get_run_logger().info("held-out split %r, base vs final:\n%s", split, comparison.markdown())
+        found[split] = {
+            "base": base.model_dump(),
+            "final": final.model_dump(),
+            "gain_points": comparison.gain_points,
+            "gain_ci_points": list(comparison.gain_ci_points),
+            "per_tier": [r.model_dump() for r in comparison.rows],
+            "markdown": comparison.markdown(),
+        }
+    return found
+
+
 def _register(start: Start, checkpoint: Checkpoint, final: EvalResult) -> PromotionDecision:
     """The final adapter as a model version; champion only if it passes the gate."""
     decision = register_policy(
@@ -99,6 +129,7 @@ def _summary(
     comparison: Comparison,
     decision: PromotionDecision,
     curve: str,
+    splits: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     base, final = evals[0][1], evals[-1][1]
     config = start.config
@@ -122,6 +153,7 @@ def _summary(
         "data": start.plan.model_dump(),
         "benchmark_id": start.benchmark,
         "warm_start": config.warm_start,
+        "splits": splits,
     }
 
 
@@ -148,6 +180,12 @@ def _report(
         key=report.artifact_key(agent, "heldout-comparison"),
         description="Base vs final on the held-out tasks, per tier, with the paired gain",
     )
+    for split, found in summary["splits"].items():
+        create_markdown_artifact(
+            found["markdown"],
+            key=report.artifact_key(agent, f"heldout-{split}-comparison"),
+            description=f"Base vs final on the held-out split {split!r}, per tier",
+        )
     create_table_artifact(
         [{"iteration": i, **e.model_dump()} for i, e in evals],
         key=report.artifact_key(agent, "heldout"),
@@ -175,7 +213,8 @@ def finish(start: Start, run: RunContext, checkpoint: Checkpoint) -> dict[str, A
     history, live = _history(start)
     curve = report.reward_curve(history, evals, start.root / "reward_curve.png", title)
     log_artifact(curve, run_id=checkpoint.mlflow_run_id)
-    summary = _summary(start, checkpoint, evals, comparison, decision, str(curve))
+    splits = _compare_splits(start, checkpoint)
+    summary = _summary(start, checkpoint, evals, comparison, decision, str(curve), splits)
     _report(start, title, history, evals, comparison, curve, summary, live)
     return summary
 

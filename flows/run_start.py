@@ -22,7 +22,7 @@ from lightning_core.types import RolloutStatus
 from lightning_rl.flows import data_plan, progress, report
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.gpu_slot import ensure_gpu_limit
-from lightning_rl.flows.held_out import evaluate, record_evaluation
+from lightning_rl.flows.held_out import evaluate, evaluate_extra_splits, record_evaluation
 from lightning_rl.flows.pipeline import PolicyRef
 from lightning_rl.flows.policy_server import PolicyServer, policy_server, store_client
 from lightning_rl.flows.profiles import AgentProfile, profile
@@ -158,6 +158,8 @@ def start_run(config: TrainConfig) -> Start | dict[str, Any]:
     registry = resolve(config.registry, agent.registered_model)
     test_tasks = heldout_tasks(config)
     benchmark = _check_benchmark(config, agent, test_tasks)
+    for split in config.evaluation.extra_splits:
+        heldout_tasks(config, split)  # a split the agent lacks is refused before any folder
     # A resumed run trains on the data it planned when it started; a new one plans it now.
     path = run_path(config.run_dir, run_name)
     resumed = load_checkpoint(path) is not None
@@ -344,6 +346,11 @@ def evaluate_start(start: Start, run: RunContext, checkpoint: Checkpoint) -> Che
         # run's adapter with.
         record_score(start.registry, champion, base.score, base.benchmark_id, base.tasks)
     evaluations = record_evaluation(run, checkpoint, 0, base)
-    checkpoint = checkpoint.model_copy(update={"iteration": 0, "evaluations": evaluations})
+    splits = evaluate_extra_splits(
+        start.config, start.agent, run, checkpoint, 0, checkpoint.policy or run.base_model
+    )
+    checkpoint = checkpoint.model_copy(
+        update={"iteration": 0, "evaluations": evaluations, "split_evaluations": splits}
+    )
     save_checkpoint(start.root, checkpoint)
     return checkpoint

@@ -114,6 +114,10 @@ class Checkpoint(BaseModel):
         default_factory=dict, description="The curriculum's estimate per tier (its state)."
     )
     evaluations: list[Evaluation] = Field(default_factory=list)
+    split_evaluations: dict[str, list[Evaluation]] = Field(
+        default_factory=dict,
+        description="Evaluations on evaluation.extra_splits, by split: the start's and the end's.",
+    )
     history: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Per-iteration metrics, one dict per finished iteration: what MLflow, the "

@@ -5,9 +5,9 @@ declared beside the code they configure."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from lightning_core.data.offline import OfflineConfig
 from lightning_core.types import Sampling
@@ -113,9 +113,28 @@ class EvaluationConfig(BaseModel):
 
     eval_every: int = Field(4, ge=1, description="Evaluate on the held-out split every E.")
     eval_size: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
+    extra_splits: list[Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]] = (
+        Field(
+            default_factory=list,
+            max_length=4,
+            description="More held-out splits the agent's task loader serves (the example "
+            "agents' 'kinds': question kinds training never sees), each scored before training "
+            "and at the end on up to eval_size tasks, and compared base vs final like the test "
+            "split; they never decide promotion.",
+        )
+    )
     benchmark_id: str | None = Field(
         None,
         description="Pin the held-out benchmark: the run stops before training unless its "
         "test split has this id (a run's eval.benchmark_id tag in MLflow; a run pinned to "
         "another id names the one it found).",
     )
+
+    @field_validator("extra_splits")
+    @classmethod
+    def _other_splits(cls, value: list[str]) -> list[str]:
+        if set(value) & {"train", "test"} or len(set(value)) != len(value):
+            raise ValueError(
+                f"extra_splits names other splits than 'train' and 'test', each once (got {value})"
+            )
+        return value

@@ -49,7 +49,7 @@ def trained_state(prefect_harness, tmp_path_factory):
             "rollout_workers": 2,
             "rollout_concurrency": 3,
         },
-        evaluation={"eval_size": 6, "eval_every": 1},
+        evaluation={"eval_size": 6, "eval_every": 1, "extra_splits": ["kinds"]},
     )
     assert state.is_completed(), state.message
     return state, config, root / "runs" / "e2e"
@@ -230,6 +230,37 @@ def test_run_folder_has_config_summary_and_progress(trained):
     assert stages[0] == "start" and stages[-1] == "done"
     assert stages.count("iterated") == 2 and stages.count("evaluated") == 3
     assert Path(run.parent / "latest").resolve() == run.resolve()
+
+
+def test_an_extra_held_out_split_is_scored_at_the_start_and_the_end_and_compared(trained):
+    summary, config, run = trained
+    kinds = summary["splits"]["kinds"]
+    assert kinds["base"]["tasks"] == kinds["final"]["tasks"] == 6
+    assert kinds["base"]["policy_version"] != kinds["final"]["policy_version"]
+    expected = round((kinds["final"]["score"] - kinds["base"]["score"]) * 100, 1)
+    assert kinds["gain_points"] == pytest.approx(expected)
+    low, high = kinds["gain_ci_points"]
+    assert low <= kinds["gain_points"] <= high
+    saved = json.loads((run / "heldout_kinds_comparison.json").read_text())
+    assert saved["gain_points"] == kinds["gain_points"]
+    # Another benchmark than the test split's: its own tasks, its own id.
+    assert kinds["final"]["benchmark_id"] not in (None, summary["final"]["benchmark_id"])
+    checkpoint = json.loads((run / "checkpoint.json").read_text())
+    assert [e["iteration"] for e in checkpoint["split_evaluations"]["kinds"]] == [0, 2]
+    client = MlflowClient(config.tracking_uri)
+    logged = client.get_metric_history(summary["mlflow_run_id"], "eval_kinds/score")
+    assert sorted(m.step for m in logged) == [0, 2]
+
+
+def test_extra_splits_name_other_splits_than_train_and_test():
+    from pydantic import ValidationError
+
+    from lightning_rl.flows.sections import EvaluationConfig
+
+    assert EvaluationConfig(extra_splits=["kinds"]).extra_splits == ["kinds"]
+    for bad in (["test"], ["train"], ["kinds", "kinds"], ["../x"], ["a"] * 5):
+        with pytest.raises(ValidationError):
+            EvaluationConfig(extra_splits=bad)
 
 
 def test_evaluate_flow_scores_the_champion(trained, tmp_path):

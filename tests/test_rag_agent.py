@@ -29,7 +29,12 @@ from lightning_rl.agents.rag.data import countries_in_test
 from lightning_rl.agents.rag.examples import examples_for
 from lightning_rl.agents.rag.languages import LANGUAGE_NAMES
 from lightning_rl.agents.rag.retrieval import MAX_DOC_CHARS, ranked, search
-from lightning_rl.agents.rag.reward import answer_reward, extract_answer, f1_score
+from lightning_rl.agents.rag.reward import (
+    answer_reward,
+    extract_answer,
+    f1_score,
+    reading_reward,
+)
 from tests.conftest import ThreadedServer, gateway_server
 from tests.rag_scripted import ANSWER, scripted_endpoint
 
@@ -178,9 +183,46 @@ def test_splits_are_fixed_disjoint_and_mixed():
     # No task is about a country of the agent's worked examples (Poland, Portugal).
     assert not {subject(t) for t in train + test} & {"POL", "PRT"}
     assert {t["hops"] for t in test[:40]} == {1, 2, 3}
-    assert set(train[0]) == {"id", "question", "answer", "hops", "kind", "tier"}
+    fields = {"id", "question", "answer", "hops", "kind", "tier"}
+    assert all(set(t) == fields for t in test)
+    assert all(set(t) in (fields, fields | {"via"}) for t in train)
     assert {t["hops"] for t in load_tasks("test", 500, "multi_hop")} == {2, 3}
     assert {t["hops"] for t in load_tasks("test", 500, "single_hop")} == {1}
+
+
+def test_train_tasks_name_the_documents_a_second_hop_needs():
+    train = {t["id"]: t for t in load_tasks("train", 10_000)}
+    # Tanzania's neighbours are all the documents that tell which is most populous.
+    tanzania = by_name()["Tanzania"]
+    assert train["populous_neighbour_capital-TZA"]["via"] == list(tanzania.borders)
+    assert all("via" not in t for t in train.values() if t["hops"] == 1)
+    assert all("via" in t for t in train.values() if "neighbour" in t["kind"])
+    # Both countries compared, whichever the first search finds.
+    pair = next(t for t in train.values() if t["kind"] == "larger_population")
+    assert len(pair["via"]) == 2 and all(name in pair["question"] for name in pair["via"])
+    # The worked examples' country for the neighbour kinds is asked about nowhere.
+    for split in ("train", "test", "kinds"):
+        assert not any(t["id"].endswith("-LIE") for t in load_tasks(split, 10_000))
+
+
+def test_held_out_kinds_are_new_question_shapes_about_test_countries():
+    kinds = load_tasks("kinds", 10_000)
+    seen = load_tasks("train", 10_000) + load_tasks("test", 10_000)
+    assert load_tasks("kinds", 30) == kinds[:30]
+    assert not {t["kind"] for t in kinds} & {t["kind"] for t in seen}
+    assert not {t["question"] for t in kinds} & {t["question"] for t in seen}
+    assert {t["id"].rsplit("-", 1)[1] for t in kinds} <= countries_in_test()
+    assert {t["tier"] for t in kinds} == {"1-hop", "2-hop", "3-hop"}
+    assert len(kinds) >= 200 and all("via" not in t for t in kinds)
+    first = {t["kind"]: t for t in kinds}
+    # Answers read from the facts: a few by hand.
+    kenya = by_name()["Kenya"]
+    assert first["subregion_by_capital"]["answer"] in {c.subregion for c in countries()}
+    assert {"id": "subregion_by_capital-KEN", "answer": kenya.subregion}.items() <= next(
+        t for t in kinds if t["id"] == "subregion_by_capital-KEN"
+    ).items()
+    switzerland = next(t for t in kinds if t["id"] == "largest_neighbour_capital-CHE")
+    assert switzerland["answer"] == "Paris"  # France: 551,695 km2 of its five neighbours
 
 
 def test_task_loader_rejects_bad_arguments():
@@ -214,6 +256,25 @@ def test_task_loader_rejects_bad_arguments():
 )
 def test_reward_is_format_plus_f1(text, gold, reward):
     assert answer_reward(text, gold) == pytest.approx(reward)
+
+
+def test_reading_the_documents_of_a_second_hop_earns_partial_credit():
+    via = ["Austria", "Switzerland"]
+    # A wrong answer: 0.1 for its format, or 0.1 + 0.3 x the share of `via` read, if more.
+    assert reading_reward("ANSWER: Bern", "Vienna", via, set()) == pytest.approx(0.1)
+    assert reading_reward("ANSWER: Bern", "Vienna", via, {"Austria"}) == pytest.approx(0.25)
+    read = {"Liechtenstein", "Austria", "Switzerland"}
+    assert reading_reward("ANSWER: Bern", "Vienna", via, read) == pytest.approx(0.4)
+    # A right answer earns what it always did, read or not; no answer earns nothing.
+    assert reading_reward("ANSWER: Vienna", "Vienna", via, set()) == 1.0
+    assert reading_reward("ANSWER: Vienna", "Vienna", via, read) == 1.0
+    assert reading_reward("", "Vienna", via, read) == 0.0
+    # Partly right (F1 2/3: 0.1 + 0.9 x 2/3) beats the reading credit (0.4): the larger counts.
+    assert reading_reward("ANSWER: Vienna city", "Vienna", via, read) == pytest.approx(0.7)
+    # A task without `via` (every held-out task) is scored on its answer alone.
+    assert reading_reward("ANSWER: Bern", "Vienna", None, read) == pytest.approx(0.1)
+    # Never a success (0.9) without the right answer.
+    assert reading_reward("ANSWER: Bern", "Vienna", via, read) < 0.9
 
 
 def test_answer_extraction_and_f1():
@@ -256,7 +317,9 @@ async def test_agent_searches_the_question_then_the_model_searches_and_answers()
     question = "What is the capital of France?"
     with ThreadedServer(scripted_endpoint(requests, {question: ["Germany"]})) as server:
         llm = LLMEndpoint(base_url=f"{server.url}/v1", model="policy", sampling={"temperature": 0})
-        assert await solve(question, llm) == ANSWER
+        read: set[str] = set()
+        assert await solve(question, llm, read) == ANSWER
+        assert read == {"France", "Germany"}  # the first search's document, then the model's
         first, second = requests
         assert first["agent_header"] == "rag" and first["temperature"] == 0
         assert first["max_output_tokens"] == 32 and first["stop"] == ["\n", ". "]

@@ -20,6 +20,7 @@ from lightning_core.types import LLMEndpoint, RolloutRequest, RolloutStatus
 from lightning_rl.agents.sql import chinook, load_tasks
 from lightning_rl.agents.sql.agent import Roles, SQLAgentConfig, build_graph, chat_model
 from lightning_rl.agents.sql.data import split_of
+from lightning_rl.agents.sql.data import task as task_of
 from lightning_rl.agents.sql.databases import (
     DATABASES,
     UnknownDatabase,
@@ -28,6 +29,7 @@ from lightning_rl.agents.sql.databases import (
     schema_text,
 )
 from lightning_rl.agents.sql.grammar import sql_grammar
+from lightning_rl.agents.sql.kinds import kind_questions
 from lightning_rl.agents.sql.prompts import read_verdict
 from lightning_rl.agents.sql.questions import all_questions
 from lightning_rl.agents.sql.reward import rows_match, sql_reward
@@ -121,12 +123,28 @@ def test_every_gold_query_runs_and_returns_an_answer():
     assert {q.db for q in questions} == set(DATABASES)
     assert len({(q.db, q.question) for q in questions}) == len(questions)
     for q in questions:
-        result = run_sql(q.db, q.gold_sql, max_rows=10_000, timeout_ms=5_000)
-        assert result.rows and not result.truncated, q.question
-        assert result.rows not in ([(0,)], [(None,)]), q.question
-        assert q.ordered == ("ORDER BY" in q.gold_sql and "LIMIT 1" not in q.gold_sql), q
-        task = {"db": q.db, "gold_sql": q.gold_sql, "ordered": q.ordered}
-        assert sql_reward(q.gold_sql, task) == 1.0, q.question
+        _check_gold_query(q)
+
+
+def _check_gold_query(q) -> list[tuple]:
+    """Runs `q`'s gold query: an answer that is not empty, zero or NULL, and a full reward."""
+    result = run_sql(q.db, q.gold_sql, max_rows=10_000, timeout_ms=5_000)
+    assert result.rows and not result.truncated, q.question
+    assert result.rows not in ([(0,)], [(None,)]), q.question
+    assert q.ordered == ("ORDER BY" in q.gold_sql and "LIMIT 1" not in q.gold_sql), q
+    task = {"db": q.db, "gold_sql": q.gold_sql, "ordered": q.ordered}
+    assert sql_reward(q.gold_sql, task) == 1.0, q.question
+    return result.rows
+
+
+def test_every_kinds_gold_query_runs_and_scores_full_marks():
+    questions = kind_questions()
+    assert {q.db for q in questions} == set(DATABASES)
+    assert len({(q.db, q.question) for q in questions}) == len(questions)
+    for q in questions:
+        # Each asks for one value of one row: a name asked for is unique in its table.
+        rows = _check_gold_query(q)
+        assert len(rows) == 1 and len(rows[0]) == 1, q.question
 
 
 def test_splits_are_fixed_disjoint_and_cover_every_question():
@@ -147,8 +165,28 @@ def test_splits_are_fixed_disjoint_and_cover_every_question():
     assert all(t["partial_credit"] for t in train) and not any("partial_credit" in t for t in test)
 
 
+def test_kinds_split_holds_question_shapes_that_train_and_test_never_ask():
+    from lightning_rl.agents.sql.tiers import TIERS
+
+    kinds = load_tasks("kinds", 10_000)
+    assert len(kinds) == len(kind_questions())
+    assert load_tasks("kinds", 5) == kinds[:5]
+    assert all(split_of(q) == "kinds" for q in kind_questions())
+    held = load_tasks("train", 10_000) + load_tasks("test", 10_000)
+    assert not {t["id"] for t in kinds} & {t["id"] for t in held}
+    assert not {t["question"] for t in kinds} & {t["question"] for t in held}
+    assert {t["db"] for t in kinds} == set(DATABASES)
+    for db in DATABASES:
+        assert {t["tier"] for t in kinds if t["db"] == db} == set(TIERS), db
+    only = load_tasks("kinds", 10_000, "chinook")
+    assert only and only == [t for t in kinds if t["db"] == "chinook"]
+    # Held out like test: the same keys, and exact matches only (no partial credit).
+    assert all(set(t) == {"id", "question", "db", "gold_sql", "ordered", "tier"} for t in kinds)
+    assert not any("partial_credit" in task_of(q) for q in kind_questions())
+
+
 def test_task_loader_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match="split must be one of train, test, kinds"):
         load_tasks("dev", 10)
     with pytest.raises(ValueError, match="source"):
         load_tasks("train", 10, "spider")
@@ -523,7 +561,7 @@ def test_tiers_follow_the_gold_querys_shape_and_every_split_has_each():
     assert tier_of("SELECT a.x FROM a JOIN b ON a.i = b.i JOIN c ON b.j = c.j") == "hard"
     assert tier_of("SELECT country, COUNT(*) FROM customer GROUP BY country") == "hard"
     assert tier_of("SELECT name FROM t WHERE x > (SELECT AVG(x) FROM t)") == "hard"
-    for split in ("train", "test"):
+    for split in ("train", "test", "kinds"):
         tasks = load_tasks(split, 10_000)
         assert {t["tier"] for t in tasks} == set(TIERS)
 

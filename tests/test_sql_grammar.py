@@ -14,7 +14,7 @@ from lightning_core.backends.grammar import GrammarCompiler
 from lightning_core.models import resolve_model
 from lightning_core.types import LLMEndpoint
 from lightning_rl.agents.sql.agent import chat_model
-from lightning_rl.agents.sql.data import load_tasks
+from lightning_rl.agents.sql.data import SPLITS, load_tasks
 from lightning_rl.agents.sql.databases import DATABASES, UnknownDatabase
 from lightning_rl.agents.sql.grammar import sql_grammar
 
@@ -41,7 +41,7 @@ def accepts(compiler: GrammarCompiler, tokenizer: Any, db: str, text: str) -> bo
 
 
 def test_every_gold_query_is_in_the_grammar(compiler, tokenizer):
-    tasks = load_tasks("train", 10_000) + load_tasks("test", 10_000)
+    tasks = [t for split in SPLITS for t in load_tasks(split, 10_000)]
     assert {t["db"] for t in tasks} == set(DATABASES)
     # The one free alias of the question set is written as one of Spider's t1..t9.
     refused = [

@@ -25,8 +25,8 @@ from openai import AsyncOpenAI
 
 import agents as sdk
 from lightning_rl.agents.rag.examples import examples_for, search_items
-from lightning_rl.agents.rag.reward import answer_reward
-from lightning_rl.agents.rag.tool import search_tool
+from lightning_rl.agents.rag.reward import reading_reward
+from lightning_rl.agents.rag.tool import results, search_tool
 
 AGENT_NAME = "rag"
 INSTRUCTIONS = (
@@ -72,8 +72,9 @@ def build_agent(llm: Any, client: AsyncOpenAI, tool: Any) -> Any:
     )
 
 
-async def solve(question: str, llm: Any) -> str:
-    """The agent's final reply to a question; "" when it runs out of turns.
+async def solve(question: str, llm: Any, read: set[str] | None = None) -> str:
+    """The agent's final reply to a question; "" when it runs out of turns. `read`, if given,
+    gets the titles of the documents read (the first search's and the model's own).
 
     The agent makes the first search, for the question itself: BM25 ranks the document that
     answers it first for 204 of the 205 test questions that one document answers (of 306).
@@ -88,10 +89,12 @@ async def solve(question: str, llm: Any) -> str:
     )
     run_config = sdk.RunConfig(tracing_disabled=True, workflow_name=AGENT_NAME)
     first = search_items(question, "first-search")
+    if read is not None:
+        read.update(results(question)[0])
     try:
         result = await sdk.Runner.run(
             # The first search's document counts as read: searching it again is a wasted turn.
-            build_agent(llm, client, search_tool({first[-1]["output"]})),
+            build_agent(llm, client, search_tool({first[-1]["output"]}, read)),
             [*examples_for(question), {"role": "user", "content": question}, *first],
             max_turns=MAX_TURNS,
             run_config=run_config,
@@ -105,6 +108,8 @@ async def solve(question: str, llm: Any) -> str:
 
 
 async def agent(task: dict[str, Any], llm: Any) -> float:
-    """Rollout entry point: answer `task["question"]`; reward 0.1 * format + 0.9 * F1."""
-    reply = await solve(task["question"], llm)
-    return answer_reward(reply, str(task["answer"]))
+    """Rollout entry point: answer `task["question"]`; reward 0.1 * format + 0.9 * F1, or
+    on a train task with `via` at least the credit for reading those documents (reward.py)."""
+    read: set[str] = set()
+    reply = await solve(task["question"], llm, read)
+    return reading_reward(reply, str(task["answer"]), task.get("via"), read)

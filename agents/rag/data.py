@@ -17,7 +17,15 @@ are test countries, so the test split asks about countries train never asks abou
 question's text appears in train. The countries of the agent's worked examples are in neither.
 A task is a dict `{"id", "question", "answer", "hops", "kind", "tier"}`; the tier names the hop
 count ("1-hop", "2-hop", "3-hop"), the generic key by which training draws tasks and reports
-results per difficulty.
+results per difficulty. A train task whose answer needs documents the agent's first search does
+not bring also names them, `"via"` (the countries compared, or the neighbours among which the
+answer is): its reward gives partial credit for reading them (agent.py). Test tasks carry no
+`via`: they are scored on the answer alone, as they always were.
+
+A third split, `kinds`, holds question kinds neither train nor test ever asks (KIND_TEMPLATES:
+a country's own language, currency or region; a capital's subregion; a comparison of areas;
+the language of the most populous neighbour; the capital of the largest neighbour), about the
+test split's countries: how far training carries over to questions of a new shape.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any, Literal
 from lightning_rl.agents.rag.corpus import Country, by_name, countries
 from lightning_rl.agents.rag.reward import normalize_answer
 
-Split = Literal["train", "test"]
+Split = Literal["train", "test", "kinds"]
 # What each source draws: questions of these hop counts.
 _HOPS = {"all": (1, 2, 3), "single_hop": (1,), "multi_hop": (2, 3)}
 SOURCES: tuple[str, ...] = tuple(_HOPS)
@@ -40,9 +48,13 @@ SOURCES: tuple[str, ...] = tuple(_HOPS)
 # The agent's worked examples (agent._examples) ask about these: tasks about them would reward
 # copying.
 EXAMPLE_COUNTRIES = ("Poland", "Portugal")
+# The worked examples of the questions about a country's largest neighbour ask about this train
+# country (two neighbours, neither a frequent answer). Left out of train only: the test split
+# and its benchmark stay as they were.
+NEIGHBOUR_EXAMPLE_COUNTRIES = ("Liechtenstein",)
 TEST_FRACTION = 0.2
 SPLIT_SEED = 20240601
-_ORDER_SEEDS = {"train": 11, "test": 23}
+_ORDER_SEEDS = {"train": 11, "test": 23, "kinds": 37}
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,8 @@ class Question:
     text: str
     answer: str
     hops: int
+    # Countries whose documents the answer needs beyond the first search's (training credit).
+    via: tuple[str, ...] = ()
 
 
 def _unique_capitals() -> dict[str, Country]:
@@ -93,17 +107,19 @@ def _about_neighbours(c: Country, rng: random.Random) -> Iterator[Question]:
     x, neighbours = c.name, _neighbours(c)
     if len(neighbours) == 1 and not _contains(neighbours[0].capital, neighbours[0].name):
         text = f"{x} borders exactly one country. What is the capital of that country?"
-        yield Question("sole_neighbour_capital", c, text, neighbours[0].capital, 2)
+        via = (neighbours[0].name,)
+        yield Question("sole_neighbour_capital", c, text, neighbours[0].capital, 2, via)
+    every = tuple(n.name for n in neighbours)
     populous = _top(neighbours, lambda n: n.population)
     if populous is not None:
         text = f"Which country bordering {x} has the largest population?"
-        yield Question("populous_neighbour", c, text, populous.name, 2)
+        yield Question("populous_neighbour", c, text, populous.name, 2, every)
         text = f"What is the capital of the most populous country bordering {x}?"
-        yield Question("populous_neighbour_capital", c, text, populous.capital, 3)
+        yield Question("populous_neighbour_capital", c, text, populous.capital, 3, every)
     largest = _top(neighbours, lambda n: n.area)
     if largest is not None and largest.region:
         text = f"In which region is the largest country by area that borders {x}?"
-        yield Question("largest_neighbour_region", c, text, largest.region, 3)
+        yield Question("largest_neighbour_region", c, text, largest.region, 3, every)
     if neighbours and c.population:
         other = rng.choice(neighbours)
         if other.population and other.population != c.population:
@@ -111,7 +127,41 @@ def _about_neighbours(c: Country, rng: random.Random) -> Iterator[Question]:
             rng.shuffle(pair)
             larger = x if c.population > other.population else other.name
             text = f"Which has the larger population, {pair[0]} or {pair[1]}?"
-            yield Question("larger_population", c, text, larger, 2)
+            yield Question("larger_population", c, text, larger, 2, (x, other.name))
+
+
+def _kinds(c: Country, capitals: dict[str, Country]) -> Iterator[Question]:
+    """The held-out kinds' questions about `c`: shapes neither train nor test asks."""
+    x, neighbours = c.name, _neighbours(c)
+    if c.region and c.region != c.subregion:
+        yield Question("region", c, f"Which region of the world is {x} part of?", c.region, 1)
+    if len(c.languages) == 1 and not _contains(x, c.languages[0]):
+        text = f"What language do people speak in {x}?"
+        yield Question("language", c, text, c.languages[0], 1)
+    if len(c.currencies) == 1:
+        yield Question("currency", c, f"What is the currency of {x}?", c.currencies[0], 1)
+    y = c.capital
+    if capitals.get(y) is c and c.subregion and not _contains(y, x):
+        text = f"{y} is the capital of a country. In which subregion does that country lie?"
+        yield Question("subregion_by_capital", c, text, c.subregion, 2)
+    if neighbours and c.area:
+        rng = random.Random(f"{SPLIT_SEED}-area-{c.code}")
+        other = rng.choice(neighbours)
+        if other.area and other.area != c.area:
+            pair = [x, other.name]
+            rng.shuffle(pair)
+            larger = x if c.area > other.area else other.name
+            text = f"Which country covers the larger area: {pair[0]} or {pair[1]}?"
+            yield Question("larger_area", c, text, larger, 2, (x, other.name))
+    every = tuple(n.name for n in neighbours)
+    populous = _top(neighbours, lambda n: n.population)
+    if populous is not None and len(populous.languages) == 1:
+        text = f"What language is spoken in the most populous neighbouring country of {x}?"
+        yield Question("populous_neighbour_language", c, text, populous.languages[0], 3, every)
+    largest = _top(neighbours, lambda n: n.area)
+    if largest is not None and not _contains(largest.capital, largest.name):
+        text = f"Of the countries that border {x}, take the largest by area: what is its capital?"
+        yield Question("largest_neighbour_capital", c, text, largest.capital, 3, every)
 
 
 def _questions(c: Country, capitals: dict[str, Country]) -> Iterator[Question]:
@@ -142,16 +192,18 @@ def questions(split: Split) -> tuple[Question, ...]:
     # A pair of neighbours can be compared from either side: a text asked twice is asked once,
     # and a test text that train also asks is dropped from test.
     seen = {q.text for q in questions("train")} if split == "test" else set()
+    make = _kinds if split == "kinds" else _questions
     chosen: list[Question] = []
     for c in countries():
-        if c.name in EXAMPLE_COUNTRIES or (c.code in test) != (split == "test"):
+        if c.name in EXAMPLE_COUNTRIES or (c.code in test) != (split != "train"):
             continue
-        for q in _questions(c, capitals):
+        for q in make(c, capitals):
             if q.text not in seen:
                 seen.add(q.text)
                 chosen.append(q)
     random.Random(_ORDER_SEEDS[split]).shuffle(chosen)
-    return tuple(chosen)
+    # Left out after the shuffle: the other train questions keep the order they had.
+    return tuple(q for q in chosen if q.subject.name not in NEIGHBOUR_EXAMPLE_COUNTRIES)
 
 
 def tier(hops: int) -> str:
@@ -159,8 +211,8 @@ def tier(hops: int) -> str:
     return f"{hops}-hop"
 
 
-def _task(q: Question) -> dict[str, Any]:
-    return {
+def _task(q: Question, split: Split) -> dict[str, Any]:
+    task: dict[str, Any] = {
         "id": f"{q.kind}-{q.subject.code}",
         "question": q.text,
         "answer": q.answer,
@@ -168,18 +220,22 @@ def _task(q: Question) -> dict[str, Any]:
         "kind": q.kind,
         "tier": tier(q.hops),
     }
+    if split == "train" and q.via:
+        task["via"] = list(q.via)
+    return task
 
 
 def load_tasks(split: Split, size: int, source: str | None = None) -> list[dict[str, Any]]:
     """The first `size` tasks of `split` (all of them when it has fewer), the same every time.
 
-    `source` picks the questions: "all" (the default), "single_hop" or "multi_hop".
+    `split` is "train", "test" or "kinds" (the held-out kinds); `source` picks the questions:
+    "all" (the default), "single_hop" or "multi_hop".
     """
     if split not in _ORDER_SEEDS:
-        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        raise ValueError(f"split must be 'train', 'test' or 'kinds', not {split!r}")
     source = source or "all"
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
     if size < 1:
         raise ValueError(f"size must be at least 1, not {size}")
-    return [_task(q) for q in questions(split) if q.hops in _HOPS[source]][:size]
+    return [_task(q, split) for q in questions(split) if q.hops in _HOPS[source]][:size]

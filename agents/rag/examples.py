@@ -3,8 +3,10 @@
 As input items (a question, searches with their real results, the answer), whichever way the
 gateway renders tool calls, the examples show them that way. One example per kind of question,
 each about a country no task asks about (data.EXAMPLE_COUNTRIES): copying one must not pay. The
-three kinds about a country's largest neighbour have none: Portugal has one neighbour, and
-Poland's neighbours are answers of many tasks.
+three kinds about a country's largest neighbour ask about Liechtenstein (its questions are left
+out of train, and test never asks about it), whose two neighbours Austria and Switzerland are
+rarely an answer: they show what those kinds take, a search for each neighbour, then the answer
+from the facts compared. Portugal has one neighbour, and Poland's are answers of many tasks.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ EXAMPLES: tuple[Example, ...] = (
     ("Which language is spoken in the country whose capital is Warsaw?", (), "Polish"),
     ("Which currency is used in the country whose capital is Warsaw?", (), "PLN"),
     ("In which subregion of the world does Poland lie?", (), "Eastern Europe"),
+    # Two searches of the model's own: the first search finds Liechtenstein's document, which
+    # names its neighbours; each neighbour's document gives its population or area.
+    (
+        "Which country bordering Liechtenstein has the largest population?",
+        ("Austria", "Switzerland"),
+        "Austria",
+    ),
+    (
+        "What is the capital of the most populous country bordering Liechtenstein?",
+        ("Austria", "Switzerland"),
+        "Vienna",
+    ),
+    (
+        "In which region is the largest country by area that borders Liechtenstein?",
+        ("Austria", "Switzerland"),
+        "Europe",
+    ),
 )
 
 

@@ -61,5 +61,12 @@ def ranked(query: str, k: int = DEFAULT_K) -> list[int]:
 
 def search(query: str, k: int = DEFAULT_K, max_chars: int = MAX_DOC_CHARS) -> list[str]:
     """The text of the best `k` documents for `query`, each at most `max_chars` long."""
+    return [text for _, text in search_titled(query, k, max_chars)]
+
+
+def search_titled(
+    query: str, k: int = DEFAULT_K, max_chars: int = MAX_DOC_CHARS
+) -> list[tuple[str, str]]:
+    """(title, text) of the best `k` documents for `query`, as `search` gives their text."""
     docs = documents()
-    return [_clip(docs[i].text, max_chars) for i in ranked(query, k)]
+    return [(docs[i].title, _clip(docs[i].text, max_chars)) for i in ranked(query, k)]

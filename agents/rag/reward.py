@@ -7,6 +7,15 @@ that line. `format_ok` means the marker is there with a non-empty answer after i
 there is no answer and the reward is 0: a name that merely appears in a rambling reply is not an
 answer. F1 is SQuAD's word-level F1 after SQuAD's normalisation (lowercase, no punctuation, no
 articles), with accents folded too, since small models often drop them ("Bogota").
+
+Train tasks whose answer needs documents the first search does not bring name them (`via`),
+and there a wrong answer that read them earns more than one that did not:
+
+    reward = max(answer reward, FORMAT_WEIGHT + VIA_WEIGHT * share of `via` documents read)
+
+An answer is still needed (no ANSWER line: 0), and the credit never reaches a right answer's
+(0.1 + 0.3 < 0.9, the success threshold): it gives a group of four wrong answers a signal
+towards the searches a second hop takes, which the base model almost never makes.
 """
 
 from __future__ import annotations
@@ -15,9 +24,11 @@ import re
 import string
 import unicodedata
 from collections import Counter
+from collections.abc import Collection
 
 FORMAT_WEIGHT = 0.1
 F1_WEIGHT = 0.9
+VIA_WEIGHT = 0.3
 
 _ANSWER = re.compile(r"ANSWER\s*:[ \t]*([^\n]*)", re.IGNORECASE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -56,3 +67,15 @@ def answer_reward(text: str | None, gold: str) -> float:
     if answer is None:
         return 0.0
     return FORMAT_WEIGHT + F1_WEIGHT * f1_score(answer, gold)
+
+
+def reading_reward(
+    text: str | None, gold: str, via: Collection[str] | None, read: Collection[str]
+) -> float:
+    """The answer's reward, or on a task with `via` at least the credit for the share of
+    those documents (titles) that were read, when there is an answer."""
+    reward = answer_reward(text, gold)
+    if not via or reward == 0.0:
+        return reward
+    share = len(set(via) & set(read)) / len(set(via))
+    return max(reward, FORMAT_WEIGHT + VIA_WEIGHT * share)

@@ -24,8 +24,14 @@ NO_MATCH = "no document matches this query"
 
 def results_text(query: str) -> str | None:
     """The search results for `query` as the tool returns them, one document a line."""
-    found = retrieval.search(query, k=RESULTS_PER_SEARCH)
-    return "\n".join(found) if found else None
+    return results(query)[1]
+
+
+def results(query: str) -> tuple[list[str], str | None]:
+    """The titles of the documents a search for `query` brings, and their text as the tool
+    returns it (None: nothing matches)."""
+    found = retrieval.search_titled(query, k=RESULTS_PER_SEARCH)
+    return [title for title, _ in found], "\n".join(text for _, text in found) or None
 
 
 def tool_output(query: str) -> str:
@@ -33,14 +39,16 @@ def tool_output(query: str) -> str:
     return results_text(query) or NO_MATCH
 
 
-def search_tool(seen: set[str]) -> Any:
+def search_tool(seen: set[str], read: set[str] | None = None) -> Any:
     """The model's search tool for one question; `seen` holds the documents it has read (the
-    agent's first search's), and grows with each search."""
+    agent's first search's), and grows with each search, and so does `read`, their titles."""
 
     async def search(query: str) -> str:
         """Search facts about countries."""
         # Async on purpose: the SDK awaits it in the rollout's context, where tracing finds it.
-        text = results_text(query)
+        titles, text = results(query)
+        if read is not None:
+            read.update(titles)
         if text is None:
             emit_tool_result(TOOL_NAME, success=False, error=NO_MATCH, query=query)
             return NO_MATCH

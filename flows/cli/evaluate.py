@@ -21,6 +21,12 @@ def evaluate(
         typer.Option(help="What to score: champion (or another alias), a version number, base."),
     ] = "champion",
     eval_size: Annotated[int, typer.Option(help="Held-out tasks.")] = 200,
+    split: Annotated[
+        str,
+        typer.Option(
+            help="Held-out split: test (the benchmark), or another the agent serves (kinds)."
+        ),
+    ] = "test",
     base_model: Annotated[str | None, typer.Option(help="Base model of the adapter.")] = None,
     tasks: Annotated[str | None, typer.Option(help="Task loader 'module:function'.")] = None,
     model: Annotated[
@@ -46,7 +52,12 @@ def evaluate(
     try:
         with temporary_server():
             result = evaluate_flow(
-                agent=agent, policy=policy, eval_size=eval_size, model=base_model, tasks=tasks
+                agent=agent,
+                policy=policy,
+                eval_size=eval_size,
+                model=base_model,
+                tasks=tasks,
+                split=split,
             )
     except LightningError as exc:
         fail(exc)
@@ -54,5 +65,5 @@ def evaluate(
         fail(LightningError(f"invalid parameters: {exc}"))
     typer.echo(
         f"{result['agent']} {policy}: {result['score']:.1%} "
-        f"[{result['ci_low']:.1%}, {result['ci_high']:.1%}] on {result['tasks']} tasks"
+        f"[{result['ci_low']:.1%}, {result['ci_high']:.1%}] on {result['tasks']} {split} tasks"
     )

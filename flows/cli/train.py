@@ -80,6 +80,13 @@ def train(**options: Any) -> None:
         f"{final['tasks']} held-out tasks: {summary['gain_points']:+.1f} points in "
         f"{summary['minutes']} min"
     )
+    for split, found in summary.get("splits", {}).items():
+        low, high = found["gain_ci_points"]
+        typer.echo(
+            f"held-out split {split}: {found['base']['score']:.1%} -> "
+            f"{found['final']['score']:.1%} on {found['final']['tasks']} tasks: "
+            f"{found['gain_points']:+.1f} points [{low:+.1f}, {high:+.1f}]"
+        )
     typer.echo(f"registry: {summary['promotion']['reason']}")
     typer.echo(f"report: {summary['reward_curve']}  (run folder {summary['run_dir']})")
 
