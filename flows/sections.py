@@ -5,14 +5,16 @@ declared beside the code they configure."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Literal
 
-from pydantic import BaseModel, Field, StringConstraints, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from lightning_core.data.offline import OfflineConfig
 from lightning_core.types import Sampling
 
 DataSource = Literal["profile", "new_tasks", "episodes"]
+_SPLIT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 def _training_sampling() -> Sampling:
@@ -113,15 +115,13 @@ class EvaluationConfig(BaseModel):
 
     eval_every: int = Field(4, ge=1, description="Evaluate on the held-out split every E.")
     eval_size: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
-    extra_splits: list[Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]] = (
-        Field(
-            default_factory=list,
-            max_length=4,
-            description="More held-out splits the agent's task loader serves (the example "
-            "agents' 'kinds': question kinds training never sees), each scored before training "
-            "and at the end on up to eval_size tasks, and compared base vs final like the test "
-            "split; they never decide promotion.",
-        )
+    extra_splits: list[str] = Field(
+        default_factory=list,
+        max_length=4,
+        description="More held-out splits the agent's task loader serves (the example "
+        "agents' 'kinds': question kinds training never sees), each scored before training "
+        "and at the end on up to eval_size tasks, and compared base vs final like the test "
+        "split; they never decide promotion.",
     )
     benchmark_id: str | None = Field(
         None,
@@ -133,8 +133,11 @@ class EvaluationConfig(BaseModel):
     @field_validator("extra_splits")
     @classmethod
     def _other_splits(cls, value: list[str]) -> list[str]:
-        if set(value) & {"train", "test"} or len(set(value)) != len(value):
+        # Split names become file, metric and artifact names: short, lowercase, no paths.
+        named = all(_SPLIT_NAME.fullmatch(v) for v in value)
+        if not named or set(value) & {"train", "test"} or len(set(value)) != len(value):
             raise ValueError(
-                f"extra_splits names other splits than 'train' and 'test', each once (got {value})"
+                "extra_splits names other splits than 'train' and 'test', each once, in "
+                f"lowercase letters, digits and '_' (got {value})"
             )
         return value
