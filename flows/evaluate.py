@@ -114,6 +114,9 @@ def evaluate(
         "split": split,
         "registered_score": found.score if found else None,
         **result.model_dump(),
+        # Each task's reward: two evaluations of the same tasks compare task by task
+        # (benchmarks/heldout_split.py).
+        "rewards": result.rewards,
     }
     (root / "summary.json").write_text(json.dumps(summary, indent=2))
     create_markdown_artifact(

@@ -86,9 +86,11 @@ def markdown(
     decision: Any = None,
     extra: dict[str, Any] | None = None,
     live: pd.DataFrame | None = None,
+    sections: list[str] | None = None,
 ) -> str:
     """The report: held-out scores, the curve (inline PNG), per-iteration metrics, the live
-    reward per policy version (a run on production episodes), promotion."""
+    reward per policy version (a run on production episodes), `sections` (markdown lines, such
+    as flows/learning.py's per-tier tables), promotion."""
     parts = [f"# {title}", ""]
     if evals:
         base, final = evals[0][1], evals[-1][1]
@@ -151,6 +153,7 @@ def markdown(
             _table(live, ["policy_version", "episodes", "feedback", "reward_mean", "reward_ci95"]),
             "",
         ]
+    parts += sections or []
     if decision is not None:
         parts += ["## Registry", "", f"{decision}", ""]
     for key, value in (extra or {}).items():

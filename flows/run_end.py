@@ -4,6 +4,7 @@ Prefect artifacts and the summary the CLI prints."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from pathlib import Path
@@ -20,8 +21,14 @@ from prefect.artifacts import (
 from lightning_core.data import analytics
 from lightning_core.stats.comparison import Comparison, compare
 from lightning_core.stats.evaluation import EvalResult
-from lightning_rl.flows import data_plan, progress, report
-from lightning_rl.flows.run_context import RunContext, credit, heldout_tasks, policy_agents
+from lightning_rl.flows import data_plan, learning, progress, report
+from lightning_rl.flows.run_context import (
+    RunContext,
+    credit,
+    heldout_tasks,
+    policy_agents,
+    train_tasks,
+)
 from lightning_rl.flows.run_start import Start
 from lightning_rl.flows.run_state import Checkpoint
 from lightning_rl.registry.promotion import PromotionDecision
@@ -80,24 +87,24 @@ def _compare_splits(start: Start, checkpoint: Checkpoint) -> dict[str, dict[str,
         if len(evals) < 2:
             continue  # a run stopped before its end: no final to compare
         base, final = evals[0].restored(), evals[-1].restored()
-        comparison = compare(
-            base,
-            final,
-            heldout_tasks(config, split),
-            config.curriculum.tier_key,
-            credit(config, start.agent).success_threshold,
-            config.seed,
-        )
+        tasks = heldout_tasks(config, split)
+        threshold = credit(config, start.agent).success_threshold
+        comparison = compare(base, final, tasks, config.curriculum.tier_key, threshold, config.seed)
         path = start.root / f"heldout_{split}_comparison.json"
         path.write_text(comparison.model_dump_json(indent=2))
         get_run_logger().info("held-out split %r, base vs final:\n%s", split, comparison.markdown())
+        shown = comparison.markdown()
+        if any("kind" in t for t in tasks):
+            by_kind = learning.heldout_by_group([(0, base), (1, final)], tasks, "kind", threshold)
+            shown += "\n\nPer question kind (0: base, 1: final):\n\n"
+            shown += "\n".join(learning.heldout_table(by_kind))
         found[split] = {
             "base": base.model_dump(),
             "final": final.model_dump(),
             "gain_points": comparison.gain_points,
             "gain_ci_points": list(comparison.gain_ci_points),
             "per_tier": [r.model_dump() for r in comparison.rows],
-            "markdown": comparison.markdown(),
+            "markdown": shown,
         }
     return found
 
@@ -166,12 +173,17 @@ def _report(
     curve: Path,
     summary: dict[str, Any],
     live: Any = None,
+    sections: list[str] | None = None,
 ) -> None:
     """The training report, the comparison and the held-out scores as Prefect artifacts."""
     agent = start.agent.name
     reason = summary["promotion"]["reason"]
+    # The extra splits have their own artifacts (below): the summary's list shows the rest.
+    listed = {k: v for k, v in summary.items() if k != "splits"}
     create_markdown_artifact(
-        report.markdown(title, history, evals, curve, reason, extra=summary, live=live),
+        report.markdown(
+            title, history, evals, curve, reason, extra=listed, live=live, sections=sections
+        ),
         key=report.artifact_key(agent, "training-report"),
         description=f"Training report of {start.config.run_name}",
     )
@@ -193,14 +205,51 @@ def _report(
     )
 
 
-def _history(start: Start) -> tuple[Any, Any]:
-    """The metrics per iteration, and the live reward per policy version (empty unless the run
-    trained on production episodes)."""
+def _history(start: Start) -> tuple[Any, Any, Any]:
+    """The metrics per iteration, the live reward per policy version (empty unless the run
+    trained on production episodes), and each training episode's task and success."""
     con = analytics.connect(start.root, ":memory:", start.config.data.episodes_archive)
     try:
-        return analytics.history(con), analytics.live_reward(con)
+        episodes = con.execute("SELECT iteration, task_id, success FROM episodes").df()
+        return analytics.history(con), analytics.live_reward(con), episodes
     finally:
         con.close()
+
+
+def _learning(
+    start: Start, evals: list[tuple[int, EvalResult]], episodes: Any, title: str
+) -> tuple[Path, list[str]]:
+    """Training success and held-out score per tier (and per question kind, where tasks have
+    one): CSV files and a PNG in the run folder, and the report's section."""
+    config, root = start.config, start.root
+    key, threshold = config.curriculum.tier_key, credit(config, start.agent).success_threshold
+    train = learning.train_success_by_tier(episodes, train_tasks(config, str(root)), key)
+    heldout = learning.heldout_by_group(evals, start.test_tasks, key, threshold)
+    train.to_csv(root / "train_success_by_tier.csv", index=False)
+    heldout.to_csv(root / "heldout_by_tier.csv", index=False)
+    png = learning.tier_curves(train, heldout, root / "tier_curves.png", title)
+    lines = [
+        "## Where the learning is",
+        "",
+        f"![per tier](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})",
+        "",
+        "Held-out score per tier at each evaluation (95 % interval):",
+        "",
+        *learning.heldout_table(heldout),
+        "",
+    ]
+    if any("kind" in t for t in start.test_tasks):
+        kinds = learning.heldout_by_group(evals, start.test_tasks, "kind", threshold)
+        kinds.to_csv(root / "heldout_by_kind.csv", index=False)
+        lines += ["Per question kind:", "", *learning.heldout_table(kinds), ""]
+    lines += [
+        f"Training success per tier, rolling over {learning.WINDOW} iterations (episodes of "
+        "the iteration):",
+        "",
+        *learning.train_table(train),
+        "",
+    ]
+    return png, lines
 
 
 def finish(start: Start, run: RunContext, checkpoint: Checkpoint) -> dict[str, Any]:
@@ -210,12 +259,14 @@ def finish(start: Start, run: RunContext, checkpoint: Checkpoint) -> dict[str, A
     decision = _register(start, checkpoint, evals[-1][1])
     title = f"{start.agent.name}: {run.run_name}"
     # Read once: the curve and the report show the same iterations.
-    history, live = _history(start)
+    history, live, episodes = _history(start)
     curve = report.reward_curve(history, evals, start.root / "reward_curve.png", title)
     log_artifact(curve, run_id=checkpoint.mlflow_run_id)
+    tiers_png, sections = _learning(start, evals, episodes, title)
+    log_artifact(tiers_png, run_id=checkpoint.mlflow_run_id)
     splits = _compare_splits(start, checkpoint)
     summary = _summary(start, checkpoint, evals, comparison, decision, str(curve), splits)
-    _report(start, title, history, evals, comparison, curve, summary, live)
+    _report(start, title, history, evals, comparison, curve, summary, live, sections)
     return summary
 
 

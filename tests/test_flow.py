@@ -8,6 +8,7 @@ from pathlib import Path
 
 import duckdb
 import httpx
+import pandas as pd
 import pytest
 from mlflow import MlflowClient
 from safetensors.torch import load_file
@@ -252,6 +253,16 @@ def test_an_extra_held_out_split_is_scored_at_the_start_and_the_end_and_compared
     assert sorted(m.step for m in logged) == [0, 2]
 
 
+def test_the_report_shows_training_success_and_held_out_scores_per_tier(trained):
+    _, _, run = trained
+    train = pd.read_csv(run / "train_success_by_tier.csv")
+    # The flow's tasks have no tier: every episode is in the one untiered group.
+    assert sorted(train["iteration"]) == [1, 2] and train["episodes"].sum() >= 2 * 3 * 4
+    heldout = pd.read_csv(run / "heldout_by_tier.csv")
+    assert sorted(heldout["iteration"]) == [0, 1, 2] and set(heldout["tasks"]) == {6}
+    assert (run / "tier_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_extra_splits_name_other_splits_than_train_and_test():
     from pydantic import ValidationError
 
@@ -291,3 +302,38 @@ def test_evaluate_flow_scores_the_champion(trained, tmp_path):
         filter_string="tags.kind = 'evaluation'",
     )
     assert runs and runs[0].data.metrics["eval/score"] == result["score"]
+    assert sorted(result["rewards"]) == [f"test-{i}" for i in range(4)]
+
+
+def test_evaluate_flow_scores_another_held_out_split_without_recording_it(trained, tmp_path):
+    from lightning_rl.flows.evaluate import evaluate
+
+    _, config, _ = trained
+    result = evaluate(
+        agent="tests.flow_agents:agent",
+        tasks="tests.flow_agents:load_tasks",
+        policy="champion",
+        split="kinds",
+        eval_size=3,
+        model="tiny",
+        concurrency=3,
+        run_dir=str(tmp_path),
+        registry=config,
+    )
+    assert result["split"] == "kinds" and sorted(result["rewards"]) == [
+        "kinds-0",
+        "kinds-1",
+        "kinds-2",
+    ]
+    champion = MlflowClient(config.tracking_uri).get_model_version_by_alias("flow-test", "champion")
+    # The version's scores are on the test split: promotion compares those alone.
+    assert f"eval.score.{result['benchmark_id']}" not in champion.tags
+    with pytest.raises(Exception, match="train"):
+        evaluate(
+            agent="tests.flow_agents:agent",
+            tasks="tests.flow_agents:load_tasks",
+            split="train",
+            model="tiny",
+            run_dir=str(tmp_path),
+            registry=config,
+        )
