@@ -48,11 +48,11 @@ def train_success_by_tier(
     )
     rows = []
     for tier, group in per.groupby("tier"):
-        group = group.set_index("iteration")
+        group = group.set_index("iteration")[["episodes", "solved"]]
         # Every iteration of the run, so that a window spans iterations, not rows: a tier the
         # curriculum skipped for an iteration adds nothing to its window.
         full = group.reindex(range(group.index.min(), group.index.max() + 1), fill_value=0)
-        rolled = full[["episodes", "solved"]].rolling(window, min_periods=1).sum()
+        rolled = full.rolling(window, min_periods=1).sum()
         for it in group.index:
             rows.append(
                 {
