@@ -253,7 +253,7 @@ def test_an_extra_held_out_split_is_scored_at_the_start_and_the_end_and_compared
     assert sorted(m.step for m in logged) == [0, 2]
 
 
-def test_the_report_shows_training_success_and_held_out_scores_per_tier(trained):
+def test_the_report_shows_training_success_and_held_out_scores_per_tier(trained, capsys):
     _, _, run = trained
     train = pd.read_csv(run / "train_success_by_tier.csv")
     # The flow's tasks have no tier: every episode is in the one untiered group.
@@ -261,6 +261,13 @@ def test_the_report_shows_training_success_and_held_out_scores_per_tier(trained)
     heldout = pd.read_csv(run / "heldout_by_tier.csv")
     assert sorted(heldout["iteration"]) == [0, 1, 2] and set(heldout["tasks"]) == {6}
     assert (run / "tier_curves.png").read_bytes()[:4] == b"\x89PNG"
+    # The same section made again from the run folder (benchmarks/learning_report.py).
+    from benchmarks import learning_report
+
+    (run / "tier_curves.png").unlink()
+    assert learning_report.main([str(run)]) == 0
+    assert (run / "tier_curves.png").exists()
+    assert "held-out score per tier" in capsys.readouterr().out
 
 
 def test_extra_splits_name_other_splits_than_train_and_test():
