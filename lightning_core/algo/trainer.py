@@ -176,14 +176,8 @@ class LoRATrainer:
     def _rows(self, transitions: Sequence[Transition], merge: bool) -> list[list[Transition]]:
         """The transitions as rows of one forward pass each, shortest first (similar lengths
         together: less padding; the order does not change the summed gradient): chains of
-        calls that extend each other when `merge`, else one call per row."""
-        for t in transitions:
-            length = len(t.prompt_token_ids) + len(t.response_token_ids)
-            if length > self.config.micro_batch_tokens:
-                raise InvalidInput(
-                    f"a transition of {length} tokens exceeds micro_batch_tokens="
-                    f"{self.config.micro_batch_tokens}; raise it"
-                )
+        calls that extend each other when `merge`, else one call per row. A row longer than
+        micro_batch_tokens gets a micro-batch of its own (_micro_batches)."""
         rows = merge_rows(transitions) if merge else [[t] for t in transitions]
         # Ties by call: the same transitions in any order make the same micro-batches, whose
         # frozen activations a later epoch finds again.
@@ -191,7 +185,7 @@ class LoRATrainer:
 
     def _micro_batches(self, rows: list[list[Transition]]) -> list[list[list[Transition]]]:
         """Consecutive groups of rows whose padded size (rows x longest row) fits the token
-        budget."""
+        budget; a row longer than the budget alone (its memory is its own length's)."""
         batches: list[list[list[Transition]]] = []
         current: list[list[Transition]] = []
         longest = 0
