@@ -122,9 +122,10 @@ def test_more_processes_than_transitions_and_clear_errors(tmp_path):
     single.save(tmp_path / "single")
     assert max_diff(tmp_path / "parallel", tmp_path / "single") < 1e-5
 
-    too_long = [one[0].model_copy(update={"prompt_token_ids": [5] * 40})]
-    with pytest.raises(InvalidInput, match="micro_batch_tokens"):
-        train_data_parallel(config(data_parallel=2), [too_long], None, tmp_path / "x")
+    # A process's error reaches the caller as it is, and nothing is written.
+    unscored = [one[0].model_copy(update={"advantage": None})]
+    with pytest.raises(InvalidInput, match="advantage"):
+        train_data_parallel(config(data_parallel=2), [unscored], None, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
