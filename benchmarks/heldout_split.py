@@ -19,16 +19,52 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lightning_core.stats.comparison import compare  # noqa: E402
+from lightning_core.stats.comparison import Comparison, compare  # noqa: E402
 from lightning_core.stats.evaluation import EvalResult  # noqa: E402
 
 
 def _result(summary: dict) -> EvalResult:
     return EvalResult.model_validate(summary).model_copy(update={"rewards": summary["rewards"]})
+
+
+def compare_split(
+    agent: str,
+    split: str,
+    policy: str,
+    eval_size: int,
+    run_dir: str,
+    tasks: str | None = None,
+    model: str | None = None,
+    registry: Any = None,
+) -> tuple[Comparison, dict[str, Any]]:
+    """The base model and `policy` on the same tasks of `split` (two runs of the flow
+    `evaluate`, whose Prefect API the caller provides), compared task by task; and the policy's
+    evaluation summary."""
+    from lightning_rl.flows.evaluate import evaluate
+    from lightning_rl.flows.profiles import profile
+
+    spec = profile(agent, tasks)
+    found = {
+        name: evaluate(
+            agent=agent,
+            tasks=tasks,
+            policy=name,
+            eval_size=eval_size,
+            split=split,
+            model=model,
+            run_dir=run_dir,
+            registry=registry,
+        )
+        for name in ("base", policy)
+    }
+    base, final = _result(found["base"]), _result(found[policy])
+    tasks_of_split = spec.load_tasks(split, eval_size)
+    return compare(base, final, tasks_of_split, "tier", spec.success_threshold, 0), found[policy]
 
 
 def main() -> int:
@@ -41,27 +77,14 @@ def main() -> int:
     args = parser.parse_args()
 
     from lightning_rl.flows.cli.common import quiet_prefect
-    from lightning_rl.flows.evaluate import evaluate
     from lightning_rl.flows.prefect_server import temporary_server
-    from lightning_rl.flows.profiles import profile
 
     quiet_prefect()
-    spec = profile(args.agent)
-    tasks = spec.load_tasks(args.split, args.eval_size)
-    found = {}
     with temporary_server():
-        for policy in ("base", args.policy):
-            found[policy] = evaluate(
-                agent=args.agent,
-                policy=policy,
-                eval_size=args.eval_size,
-                split=args.split,
-                run_dir=args.run_dir,
-            )
-    base, final = _result(found["base"]), _result(found[args.policy])
-    comparison = compare(base, final, tasks, "tier", spec.success_threshold, seed=0)
-    version = found[args.policy]["version"]
-    print(f"{args.agent}, split {args.split}: base vs {args.policy} (version {version})")
+        comparison, found = compare_split(
+            args.agent, args.split, args.policy, args.eval_size, args.run_dir
+        )
+    print(f"{args.agent}, split {args.split}: base vs {args.policy} (version {found['version']})")
     print(comparison.markdown())
     print(f"{args.agent}_heldout_{args.split}_gain_points: {comparison.gain_points}")
     return 0

@@ -1,6 +1,6 @@
 """Held-out figures of a rag training run: base vs final, solved rate and mean F1, per tier.
 
-    .venv/bin/python benchmarks/rag_heldout.py [runs/latest] [--by kind]
+    .venv/bin/python benchmarks/rag_heldout.py [runs/latest] [--by kind] [--split kinds]
     .venv/bin/python benchmarks/rag_heldout.py --quick   # a run of a minute, then its figures
 
 Reads the run's store (the run is over) and prints, per hop count (or per question kind with
@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from benchmarks.quick_train import train_quick  # noqa: E402
 from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
 from lightning_core.stats.evaluation import wilson_interval  # noqa: E402
+from lightning_rl.agents.rag.data import load_tasks  # noqa: E402
 from lightning_rl.agents.rag.reward import F1_WEIGHT, FORMAT_WEIGHT  # noqa: E402
 
 SOLVED = 0.9
@@ -42,8 +43,10 @@ def f1_of(reward: np.ndarray) -> np.ndarray:
     return np.where(reward >= FORMAT_WEIGHT, (reward - FORMAT_WEIGHT) / F1_WEIGHT, 0.0)
 
 
-def load(run: Path) -> tuple[dict, list[tuple[str, str, str, float, float]]]:
-    """The run's summary, and (task id, tier, kind, base reward, final reward) per task."""
+def load(run: Path, split: str = "test") -> tuple[dict, list[tuple[str, str, str, float, float]]]:
+    """The run's summary, and (task id, tier, kind, base reward, final reward) per task of
+    held-out `split` (a run with evaluation.extra_splits holds every split it scored)."""
+    ids = {t["id"] for t in load_tasks(split, 1_000_000)}
     summary = json.loads((run / "summary.json").read_text())
     base_name, final_name = summary["base"]["policy_version"], summary["final"]["policy_version"]
     with duckdb.connect(str(run / "store.duckdb"), read_only=True) as con:
@@ -56,7 +59,7 @@ def load(run: Path) -> tuple[dict, list[tuple[str, str, str, float, float]]]:
     base = {t: r for t, p, r, _, _ in rows if p == base_name}
     final = {t: r for t, p, r, _, _ in rows if p == final_name}
     meta = {t: (tier, kind) for t, _, _, tier, kind in rows}
-    paired = [(t, *meta[t], base[t], final[t]) for t in sorted(set(base) & set(final))]
+    paired = [(t, *meta[t], base[t], final[t]) for t in sorted(set(base) & set(final) & ids)]
     return summary, paired
 
 
@@ -83,24 +86,28 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, nargs="?", default=Path("runs/latest"))
     parser.add_argument("--by", choices=("tier", "kind"), default="tier")
+    parser.add_argument("--split", choices=("test", "kinds"), default="test")
     parser.add_argument("--quick", action="store_true", help="train a tiny run first, read it")
     args = parser.parse_args(argv)
     if args.quick:
         with tempfile.TemporaryDirectory(prefix="rag-heldout-quick-") as tmp:
-            figures(parser, train_quick("rag", Path(tmp), "rag-quick"), args.by)
+            figures(parser, train_quick("rag", Path(tmp), "rag-quick"), args.by, args.split)
     else:
-        figures(parser, args.run, args.by)
+        figures(parser, args.run, args.by, args.split)
 
 
-def figures(parser: argparse.ArgumentParser, run: Path, by: str) -> None:
+def figures(parser: argparse.ArgumentParser, run: Path, by: str, split: str = "test") -> None:
     if not (run / "summary.json").is_file():
         parser.error(f"{run} is not a finished run folder (no summary.json)")
-    summary, paired = load(run)
+    summary, paired = load(run, split)
     if not paired:
         parser.error(f"{run} holds no held-out rollouts of both policies")
     column = 1 if by == "tier" else 2
     groups = sorted({p[column] for p in paired})
-    print(f"run {summary['run']}: {len(paired)} held-out tasks, {summary['minutes']} min")
+    print(
+        f"run {summary['run']}: {len(paired)} held-out tasks of split {split}, "
+        f"{summary['minutes']} min"
+    )
     print(
         f"| {by} | tasks | base solved | final solved | gain, points [paired 95 % CI] "
         "| base F1 | final F1 | F1 gain [paired 95 % CI] |"
@@ -112,10 +119,14 @@ def figures(parser: argparse.ArgumentParser, run: Path, by: str) -> None:
         final = np.array([p[4] for p in chosen], dtype=float)
         line, gain, interval = row(group, base, final)
         print(line)
+    name = "rag_heldout_gain_points" if split == "test" else f"rag_heldout_{split}_gain_points"
     print(
-        f"rag_heldout_gain_points: {gain:.1f} (paired 95 % CI {100 * interval[0]:+.1f} to "
-        f"{100 * interval[1]:+.1f})"
+        f"{name}: {gain:.1f} (paired 95 % CI {100 * interval[0]:+.1f} to {100 * interval[1]:+.1f})"
     )
+    three = [p[4] for p in paired if p[1] == "3-hop"]
+    if split == "test" and three:
+        solved = 100 * float(np.mean(np.array(three) >= SOLVED))
+        print(f"rag_multihop_solved_pct: {solved:.1f} (final policy, {len(three)} 3-hop tasks)")
 
 
 if __name__ == "__main__":

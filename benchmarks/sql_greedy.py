@@ -101,9 +101,11 @@ def report(arm: str, rows: list[tuple[str, str, str]], seconds: float | None = N
         print("\nfailed: " + ", ".join(f"{e} {n}" for e, n in errors.most_common()))
 
 
-def from_run(run: Path) -> dict[str, list[tuple[str, str, str]]]:
-    """Policy version -> (tier, outcome, error) per held-out task, for the run's base and final
-    policies, read from its store."""
+def from_run(run: Path, split: str = "test") -> dict[str, list[tuple[str, str, str]]]:
+    """Policy version -> (tier, outcome, error) per task of held-out `split`, for the run's base
+    and final policies, read from its store (a run with evaluation.extra_splits holds the
+    evaluations of every split it scored; the split's task ids pick one)."""
+    ids = {t["id"] for t in load_tasks(split, 1_000_000)}
     summary = json.loads((run / "summary.json").read_text())
     versions = [summary["base"]["policy_version"], summary["final"]["policy_version"]]
     agent = json.dumps(semconv.AGENT_NAME)
@@ -126,6 +128,8 @@ def from_run(run: Path) -> dict[str, list[tuple[str, str, str]]]:
     out: dict[str, list[tuple[str, str, str]]] = {v: [] for v in versions}
     for rollout_id, version, raw in rollouts:
         task = json.loads(raw)
+        if task["id"] not in ids:
+            continue
         kind, error = outcome(task, extract_sql(last.get(rollout_id, "")))
         out[version].append((task["tier"], kind, error))
     return out
@@ -150,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.run is not None:
         if not (args.run / "summary.json").is_file():
             parser.error(f"{args.run} has no summary.json: not a finished training run")
-        print(f"SQL agent, greedy, run {args.run.resolve().name}, held-out split")
-        for version, rows in from_run(args.run).items():
+        print(f"SQL agent, greedy, run {args.run.resolve().name}, held-out split {args.split}")
+        for version, rows in from_run(args.run, args.split).items():
             report(version, rows)
         return
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]

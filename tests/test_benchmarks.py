@@ -29,6 +29,8 @@ ELSEWHERE = {
     "gpu_check": "tests/test_gpu_check.py",
     "fault_matrix": "tests/test_faults.py",
     "production_drift": "tests/test_production_drift.py",
+    "learning_report": "tests/test_flow.py",
+    "heldout_split": "tests/test_flow.py",
 }
 # Modules the scripts import, with nothing to run of their own.
 HELPERS = {"workload", "quick_train"}

@@ -335,6 +335,14 @@ def test_evaluate_flow_scores_another_held_out_split_without_recording_it(traine
     champion = MlflowClient(config.tracking_uri).get_model_version_by_alias("flow-test", "champion")
     # The version's scores are on the test split: promotion compares those alone.
     assert f"eval.score.{result['benchmark_id']}" not in champion.tags
+    # benchmarks/heldout_split.py: the base model and the champion on the same split's tasks.
+    from benchmarks.heldout_split import compare_split
+
+    comparison, found = compare_split(
+        "tests.flow_agents:agent", "kinds", "champion", 3, str(tmp_path),
+        tasks="tests.flow_agents:load_tasks", model="tiny", registry=config,
+    )  # fmt: skip
+    assert found["split"] == "kinds" and comparison.rows[-1].tasks == 3
     with pytest.raises(Exception, match="train"):
         evaluate(
             agent="tests.flow_agents:agent",
