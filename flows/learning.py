@@ -18,6 +18,7 @@ import pandas as pd
 
 from lightning_core.rollouts.curriculum import tier_of
 from lightning_core.stats.evaluation import EvalResult, wilson_interval
+from lightning_rl.flows.report import save_figure
 
 # Iterations a rolling training success spans: one iteration draws a few tasks per tier.
 WINDOW = 3
@@ -125,11 +126,7 @@ def tier_curves(train: pd.DataFrame, heldout: pd.DataFrame, path: Path, title: s
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def heldout_table(frame: pd.DataFrame) -> list[str]:

@@ -47,6 +47,13 @@ def reward_curve(
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """A matplotlib figure laid out, written to `path` (its folder made) and closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -103,6 +103,27 @@ def _by_capital(c: Country, capitals: dict[str, Country]) -> Iterator[Question]:
         yield Question("currency_by_capital", c, text, c.currencies[0], 2)
 
 
+def _larger(
+    c: Country,
+    rng: random.Random,
+    key: Callable[[Country], float | None],
+    kind: str,
+    template: str,
+) -> Iterator[Question]:
+    """Which of `c` and a neighbour drawn by `rng` has the larger `key`, both named in the
+    order `rng` shuffles them into; none where either lacks the fact or they tie."""
+    neighbours = _neighbours(c)
+    if not neighbours or not key(c):
+        return
+    other = rng.choice(neighbours)
+    if not key(other) or key(other) == key(c):
+        return
+    pair = [c.name, other.name]
+    rng.shuffle(pair)
+    larger = c.name if key(c) > key(other) else other.name  # type: ignore[operator]
+    yield Question(kind, c, template.format(*pair), larger, 2, (c.name, other.name))
+
+
 def _about_neighbours(c: Country, rng: random.Random) -> Iterator[Question]:
     x, neighbours = c.name, _neighbours(c)
     if len(neighbours) == 1 and not _contains(neighbours[0].capital, neighbours[0].name):
@@ -120,14 +141,10 @@ def _about_neighbours(c: Country, rng: random.Random) -> Iterator[Question]:
     if largest is not None and largest.region:
         text = f"In which region is the largest country by area that borders {x}?"
         yield Question("largest_neighbour_region", c, text, largest.region, 3, every)
-    if neighbours and c.population:
-        other = rng.choice(neighbours)
-        if other.population and other.population != c.population:
-            pair = [x, other.name]
-            rng.shuffle(pair)
-            larger = x if c.population > other.population else other.name
-            text = f"Which has the larger population, {pair[0]} or {pair[1]}?"
-            yield Question("larger_population", c, text, larger, 2, (x, other.name))
+    yield from _larger(
+        c, rng, lambda n: n.population, "larger_population",
+        "Which has the larger population, {} or {}?",
+    )  # fmt: skip
 
 
 def _kinds(c: Country, capitals: dict[str, Country]) -> Iterator[Question]:
@@ -144,15 +161,10 @@ def _kinds(c: Country, capitals: dict[str, Country]) -> Iterator[Question]:
     if capitals.get(y) is c and c.subregion and not _contains(y, x):
         text = f"{y} is the capital of a country. In which subregion does that country lie?"
         yield Question("subregion_by_capital", c, text, c.subregion, 2)
-    if neighbours and c.area:
-        rng = random.Random(f"{SPLIT_SEED}-area-{c.code}")
-        other = rng.choice(neighbours)
-        if other.area and other.area != c.area:
-            pair = [x, other.name]
-            rng.shuffle(pair)
-            larger = x if c.area > other.area else other.name
-            text = f"Which country covers the larger area: {pair[0]} or {pair[1]}?"
-            yield Question("larger_area", c, text, larger, 2, (x, other.name))
+    yield from _larger(
+        c, random.Random(f"{SPLIT_SEED}-area-{c.code}"), lambda n: n.area, "larger_area",
+        "Which country covers the larger area: {} or {}?",
+    )  # fmt: skip
     every = tuple(n.name for n in neighbours)
     populous = _top(neighbours, lambda n: n.population)
     if populous is not None and len(populous.languages) == 1:
