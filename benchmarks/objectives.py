@@ -13,6 +13,7 @@ objective changed (lightning_core/algo/losses.py, docs/lightningrl.md):
 - ratio-mask:    IcePop-style masking of tokens whose behaviour ratio is outside [1/2, 2];
 - overlong:      calls cut at their token limit leave the loss;
 - rollout-mean:  every rollout weighs the same, whatever its number of calls and tokens;
+- seq-mean:      every call weighs the same (seq-mean-token-mean), the default otherwise;
 - no-merge:      the default with prefix merging off (same update; time only).
 
     python benchmarks/objectives.py [--arms a,b] [--run-dir runs] [--reuse ARM=RUN_DIR ...]
@@ -21,7 +22,7 @@ objective changed (lightning_core/algo/losses.py, docs/lightningrl.md):
 Per arm it prints the minutes from the run's start to the first held-out evaluation at least
 20 points above the base ('-' when none is), the final gain with its paired 95 % interval, and
 the run's minutes; then `calc_minutes_to_20: X` for the default arm (nan when it never got
-there). A full run is one demo per arm (about an hour each on 2 cores): run it alone.
+there). A full run is one demo per arm (17 min each on 2 cores, BENCHMARKS.md): run it alone.
 
 --quick trains each arm (default: default and gspo) as benchmarks/quick_train.py does (the tiny
 random model, one iteration of 2 tasks x 2 rollouts, 4 held-out tasks, about a minute an arm)
@@ -43,7 +44,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
+
 from benchmarks.quick_train import QUICK_FLAGS, run_env, run_logged, train_command  # noqa: E402
+from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
 
 # The calc agent's generation budget (agents/calc/agent.py MAX_TOKENS): Dr. GRPO's constant.
 DEMO_MAX_TOKENS = 48
@@ -71,6 +75,7 @@ ARMS: dict[str, dict[str, dict[str, Any]]] = {
     "ratio-mask": {"trainer": {"ratio_mask": 2.0}},
     "overlong": {"trainer": {"overlong_filter": True}},
     "rollout-mean": {"trainer": {"aggregation": "rollout-mean"}},
+    "seq-mean": {"trainer": {"aggregation": "seq-mean-token-mean"}},
     "no-merge": {"trainer": {"prefix_merge": False}},
 }
 
@@ -94,8 +99,10 @@ def run_arm(arm: str, run_dir: Path, extra: tuple[str, ...]) -> Path:
 
 
 def measure(run: Path) -> dict[str, Any]:
-    """Minutes to +20 held-out points (nan: never), final gain and interval, minutes."""
+    """Minutes to +20 held-out points (nan: never), final gain and interval, minutes, the
+    held-out score at each evaluation and the final policy's reward per task."""
     summary = json.loads((run / "summary.json").read_text())
+    evaluations = json.loads((run / "checkpoint.json").read_text())["evaluations"]
     events = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
     start = next(e["time"] for e in events if e["stage"] == "start")
     evaluated = [e for e in events if e["stage"] == "evaluated"]
@@ -106,17 +113,36 @@ def measure(run: Path) -> dict[str, Any]:
         "gain": summary["gain_points"],
         "gain_ci": summary.get("gain_ci_points", [math.nan, math.nan]),
         "minutes": summary["minutes"],
+        "curve": {e["iteration"]: e["score"] for e in evaluated},
+        "rewards": evaluations[-1]["rewards"],
     }
+
+
+def versus(rewards: dict[str, float], reference: dict[str, float]) -> str:
+    """An arm's final policy against the reference arm's, task by task: the difference in
+    solved held-out tasks, points, with its paired bootstrap 95 % interval."""
+    tasks = sorted(reference)
+    diffs = np.array([float(rewards[t] >= 1.0) - float(reference[t] >= 1.0) for t in tasks])
+    low, high = paired_bootstrap(diffs)
+    return f"{100 * diffs.mean():+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
 def report(results: dict[str, dict[str, Any]]) -> None:
     print("calc objectives ablation, held-out accuracy (greedy), same seed")
-    print("| arm | minutes to +20 points | final gain, points [paired 95 % CI] | minutes |")
-    print("|---|---:|---:|---:|")
+    columns = ["arm", "minutes to +20 points", "final gain, points [paired 95 % CI]"]
+    columns += ["held-out at each evaluation", "final vs default [paired 95 % CI]", "minutes"]
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---:|---:|---|---:|---:|")
+    reference = results.get("default")
     for arm, r in results.items():
         to_20 = "-" if math.isnan(r["minutes_to_20"]) else f"{r['minutes_to_20']:.1f}"
         low, high = r["gain_ci"]
-        print(f"| {arm} | {to_20} | {r['gain']:+.1f} [{low:+.1f}, {high:+.1f}] | {r['minutes']} |")
+        curve = " / ".join(f"{100 * score:.1f}" for _, score in sorted(r["curve"].items()))
+        against = "" if reference is None else versus(r["rewards"], reference["rewards"])
+        print(
+            f"| {arm} | {to_20} | {r['gain']:+.1f} [{low:+.1f}, {high:+.1f}] | {curve} "
+            f"| {against} | {r['minutes']} |"
+        )
     if "default" in results:
         print(f"calc_minutes_to_20: {results['default']['minutes_to_20']:.1f}")
 
