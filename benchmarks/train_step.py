@@ -114,9 +114,14 @@ def prefix_merging(args: argparse.Namespace, episodes: int, calls: int) -> None:
     """Merged vs separate forward passes on one multi-turn batch."""
     rows = []
     for merge in (False, True):
+        # Shared prefixes off in both arms: unmerged, an episode's rows begin with the same
+        # first prompt, which sharing would compute once (benchmarks/shared_prefix.py).
         trainer = LoRATrainer(
             TrainerConfig(
-                model=args.model, micro_batch_tokens=args.micro_batch_tokens, prefix_merge=merge
+                model=args.model,
+                micro_batch_tokens=args.micro_batch_tokens,
+                prefix_merge=merge,
+                prefix_share=False,
             )
         )
         vocab = trainer.model.get_base_model().config.vocab_size

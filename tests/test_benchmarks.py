@@ -40,6 +40,7 @@ QUICK = (
     "store_scale",
     "structured",
     "train_step",
+    "shared_prefix",
     "grammar_engines",
     "sql_greedy",
     "calc_gain",
@@ -169,6 +170,15 @@ def test_train_step_quick():
 
 
 @pytest.mark.timeout(180)
+def test_shared_prefix_quick():
+    text = run_benchmark("shared_prefix", "--quick", timeout=170)
+    [row] = table_rows(text, "1")
+    # 4 tasks x a group of 4 over one system prompt: each group computes its prompt once.
+    assert int(row[3]) < int(row[2]) / 2, text
+    assert 0.5 < float(figures(text)["shared_prefix_tokens_saved_frac"]) < 1, text
+
+
+@pytest.mark.timeout(180)
 def test_offline_gate_quick():
     text = run_benchmark("offline_gate", "--quick", timeout=170)
     found = figures(text)
@@ -292,3 +302,10 @@ def test_objectives_quick(prefect_api_env, tmp_path):
     # Each arm ran with its own settings: GSPO's are in its run's config.
     config = (tmp_path / "objectives-gspo" / "config.json").read_text()
     assert '"importance_ratio": "sequence"' in config, config
+    # A real run's calls, read from its store, for the shared-prefix benchmark: a calc group's
+    # rollouts send one prompt, so the shared update computes fewer tokens.
+    text = run_benchmark(
+        "shared_prefix", str(tmp_path / "objectives-default"), "--every-call", timeout=170
+    )
+    [row] = table_rows(text, "1")
+    assert int(row[1]) >= 4 and int(row[3]) < int(row[2]), text  # 2 tasks x 2 rollouts

@@ -20,8 +20,15 @@ from tests.test_offline import recorded_batch
 
 
 def config(**overrides) -> TrainerConfig:
-    # The tiny model has two layers: the adapter on the top one, the bottom one frozen.
-    settings = {"model": str(tiny_model_dir()), "learning_rate": 1e-2, "lora": {"top_layers": 1}}
+    # The tiny model has two layers: the adapter on the top one, the bottom one frozen. A replay
+    # turns shared prefixes off (its micro-batches are ordered by length); the whole passes
+    # compared with it are ordered alike, so that both sum the gradients in the same order.
+    settings = {
+        "model": str(tiny_model_dir()),
+        "learning_rate": 1e-2,
+        "lora": {"top_layers": 1},
+        "prefix_share": False,
+    }
     return TrainerConfig(**(settings | overrides))
 
 

@@ -106,6 +106,13 @@ class TrainerConfig(BaseModel):
         "call keeps its own advantage, logprobs and weight, so the update is the same, "
         "computed once for the shared prefix.",
     )
+    prefix_share: bool = Field(
+        True,
+        description="Rows of a micro-batch that begin with the same tokens (a group's calls on "
+        "one task send one prompt) compute them once: one forward over the shared prefix, "
+        "whose keys and values each row's rest attends to (shared_prefix.py); the update is the "
+        "same. Off with gradient checkpointing or replayed frozen activations.",
+    )
     kl_coef: float = Field(
         0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 to skip it."
     )

@@ -41,6 +41,12 @@ from lightning_core.algo.losses import (
     sequence_weights,
 )
 from lightning_core.algo.prefix import merge_rows, prefix_breaks, row_length
+from lightning_core.algo.shared_prefix import (
+    forward_shared,
+    order_key,
+    pack,
+    shared_length,
+)
 from lightning_core.errors import InvalidInput
 from lightning_core.models import resolve_model
 from lightning_core.security.adapter_folder import AdapterRules, adapter_config
@@ -179,13 +185,26 @@ class LoRATrainer:
         calls that extend each other when `merge`, else one call per row. A row longer than
         micro_batch_tokens gets a micro-batch of its own (_micro_batches)."""
         rows = merge_rows(transitions) if merge else [[t] for t in transitions]
+        if self._sharing():
+            # Rows of one prompt together, so that a micro-batch computes it once.
+            return sorted(rows, key=order_key)
         # Ties by call: the same transitions in any order make the same micro-batches, whose
         # frozen activations a later epoch finds again.
         return sorted(rows, key=lambda row: (row_length(row), row[-1].rollout_id, row[-1].step))
 
+    def _sharing(self) -> bool:
+        """Whether micro-batches compute their rows' shared prefix once (shared_prefix.py):
+        not where the cache of keys and values is unavailable (gradient checkpointing) or the
+        frozen layers' output is replayed by whole rows (frozen.py)."""
+        c = self.config
+        return c.prefix_share and not c.gradient_checkpointing and self.frozen is None
+
     def _micro_batches(self, rows: list[list[Transition]]) -> list[list[list[Transition]]]:
-        """Consecutive groups of rows whose padded size (rows x longest row) fits the token
-        budget; a row longer than the budget alone (its memory is its own length's)."""
+        """Consecutive groups of rows whose padded size (rows x longest row, the shared prefix
+        counted once when shared) fits the token budget; a row longer than the budget alone
+        (its memory is its own length's)."""
+        if self._sharing():
+            return pack(rows, self.config.micro_batch_tokens)
         batches: list[list[list[Transition]]] = []
         current: list[list[Transition]] = []
         longest = 0
@@ -258,6 +277,8 @@ class LoRATrainer:
             "temperature": temperature,
             "segments": segments,
             "weight": weight,
+            # Leading tokens every row shares, computed once (0: each row whole).
+            "shared": torch.tensor(shared_length(rows) if self._sharing() else 0),
         }
         return {k: v.to(self.device) for k, v in tensors.items()}, masked, positions
 
@@ -267,16 +288,21 @@ class LoRATrainer:
         constrained calls over their grammar's allowed tokens. On fresh rollouts they equal the
         recorded behaviour logprobs, so every importance ratio starts at 1."""
         ids, width = x["ids"], x["mask"].shape[1]
-        out = self._forward(ids, x["attention"], width + 1)
+        out = self._forward(ids, x["attention"], width + 1, int(x["shared"]))
         logits = out.logits[:, :-1].float() / x["temperature"][:, :, None]
         logp = torch.log_softmax(logits, dim=-1)
         targets = ids[:, ids.shape[1] - width :]
         chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return renormalise(chosen, logits, masked), logits
 
-    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, keep: int) -> Any:
-        """The model's forward pass over a micro-batch; from the first adapted layer on when
-        the frozen layers' output on these rows is cached (and cached when it is not)."""
+    def _forward(
+        self, ids: torch.Tensor, attention: torch.Tensor, keep: int, shared: int = 0
+    ) -> Any:
+        """The model's forward pass over a micro-batch: the first `shared` tokens once for all
+        rows when they share them (shared_prefix.py); from the first adapted layer on when the
+        frozen layers' output on these rows is cached (and cached when it is not)."""
+        if shared:
+            return forward_shared(self.model, ids, attention, keep, shared)
         if self.frozen is None or self._replay is None:
             return self.model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
         out, replayed = self._replay.forward(self.model, self.frozen, ids, attention, keep)
@@ -453,10 +479,19 @@ class LoRATrainer:
         return {id(t): w for t, w in zip(transitions, found, strict=True)}
 
     def shares(self, transitions: Sequence[Transition], world: int) -> list[list[Transition]]:
-        """The batch dealt to `world` processes by whole rows (a merged chain stays on one),
-        sorted by length first: each gets a like share of short and long rows."""
+        """The batch dealt to `world` processes by whole rows (a merged chain stays on one):
+        sorted by length, each gets a like share of short and long rows; with shared prefixes,
+        in runs of rows that share."""
         rows = self._rows(transitions, self.config.prefix_merge)
-        return [[t for row in rows[rank::world] for t in row] for rank in range(world)]
+        if self._sharing():
+            # Contiguous runs of rows instead (as many rows each as dealing gives): a group's
+            # rows stay on one process, which computes their prompt once.
+            size, extra = divmod(len(rows), world)
+            starts = [rank * size + min(rank, extra) for rank in range(world + 1)]
+            dealt = [rows[starts[r] : starts[r + 1]] for r in range(world)]
+        else:
+            dealt = [rows[rank::world] for rank in range(world)]
+        return [[t for row in share for t in row] for share in dealt]
 
     def batch_metrics(self, transitions: Sequence[Transition]) -> dict[str, float]:
         """Metrics of the batch as a whole: the share of calls overlong filtering dropped, and
@@ -488,11 +523,14 @@ class LoRATrainer:
             sum(len(t.prompt_token_ids) + len(t.response_token_ids) for t in transitions)
         )
         rows = self._rows(transitions, c.prefix_merge)
-        sums["forward_tokens"] = float(sum(row_length(row) for row in rows))
+        sums["forward_tokens"] = 0.0
         if gap:
             sums |= dict.fromkeys(GAP_SUMS, 0.0)
         for batch in self._micro_batches(rows):
             x, masked, _ = self._tensors(batch, weights)
+            # The calls' tokens less the shared prefix's repeats.
+            shared = int(x["shared"]) * (len(batch) - 1)
+            sums["forward_tokens"] += sum(map(row_length, batch)) - shared
             logp, logits = self._logprobs(x, masked)
             if gap:
                 self._add_gap(sums, logp, x)
@@ -557,7 +595,8 @@ class LoRATrainer:
             "train/is_ratio_max": sums["is_ratio_max"],
             "train/is_truncated_frac": sums["is_truncated"] / tokens,
             "train/ratio_masked_frac": sums["ratio_masked"] / tokens,
-            # What prefix merging saved: the share of the calls' tokens no forward pass computed.
+            # What prefix merging and sharing saved: the share of the calls' tokens no forward
+            # pass computed.
             "train/forward_tokens_saved_frac": 1.0 - sums["forward_tokens"] / sums["all_tokens"],
         }
 
