@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     # The production demo's trainer: the adapter on the top 12 of the 30 layers (1 of 2 on the
     # tiny model).
     lora = LoRAConfig(top_layers=1 if args.quick else 12)
-    config = TrainerConfig(model=model, learning_rate=2e-4, lora=lora)
+    # Shared prefixes off in both arms: a replay turns them off (its micro-batches are ordered
+    # by length), and the whole passes compared with it sum their gradients in the same order.
+    config = TrainerConfig(model=model, learning_rate=2e-4, lora=lora, prefix_share=False)
 
     whole = LoRATrainer(config)
     transitions = batch(episodes, whole.model.config.vocab_size)

@@ -141,6 +141,21 @@ def _all_reduce_gradients(trainer: LoRATrainer) -> None:
         offset += n
 
 
+def shares(trainer: LoRATrainer, transitions: Sequence[Transition], world: int) -> list[list]:
+    """The batch dealt to `world` processes by whole rows (a merged chain stays on one): sorted
+    by length, each gets a like share of short and long rows; with shared prefixes, runs of
+    rows that share (a group's rows stay on one process, which computes their prompt once)."""
+    rows = trainer._rows(transitions, trainer.config.prefix_merge)
+    if trainer._sharing():
+        # As many rows each as dealing gives, in contiguous runs.
+        size, extra = divmod(len(rows), world)
+        starts = [rank * size + min(rank, extra) for rank in range(world + 1)]
+        dealt = [rows[starts[r] : starts[r + 1]] for r in range(world)]
+    else:
+        dealt = [rows[rank::world] for rank in range(world)]
+    return [[t for row in share for t in row] for share in dealt]
+
+
 def _update(
     trainer: LoRATrainer, batch: list[Transition], objective: Objective, rank: int, world: int
 ) -> dict[str, float]:
@@ -153,7 +168,7 @@ def _update(
     trainer._rows(batch, merge=False)
     started = time.perf_counter()
     trainer.optimizer.zero_grad(set_to_none=True)
-    share = trainer.shares(batch, world)[rank]
+    share = shares(trainer, batch, world)[rank]
     sums = trainer.accumulate(share, objective, trainer.loss_weights(batch))
     _all_reduce_gradients(trainer)
     grad_norm = trainer.apply_gradients()

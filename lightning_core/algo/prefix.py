@@ -43,6 +43,25 @@ def row_length(row: Sequence[Transition]) -> int:
     return len(row[-1].prompt_token_ids) + len(row[-1].response_token_ids)
 
 
+def pack_by_length(rows: Sequence[Sequence[Transition]], budget: int) -> list[list]:
+    """Consecutive rows (shortest first) grouped so that each group's padded size (rows x
+    longest row) fits the token budget; a row longer than the budget alone (its memory is its
+    own length's)."""
+    batches: list[list] = []
+    current: list = []
+    longest = 0
+    for row in rows:
+        length = row_length(row)
+        if current and (len(current) + 1) * max(longest, length) > budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
 def _by_agent(transitions: Sequence[Transition]) -> dict[tuple, list[Transition]]:
     calls: dict[tuple, list[Transition]] = {}
     for t in transitions:

@@ -40,7 +40,7 @@ from lightning_core.algo.losses import (
     policy_loss,
     sequence_weights,
 )
-from lightning_core.algo.prefix import merge_rows, prefix_breaks, row_length
+from lightning_core.algo.prefix import merge_rows, pack_by_length, prefix_breaks, row_length
 from lightning_core.algo.shared_prefix import (
     forward_shared,
     order_key,
@@ -203,23 +203,8 @@ class LoRATrainer:
         """Consecutive groups of rows whose padded size (rows x longest row, the shared prefix
         counted once when shared) fits the token budget; a row longer than the budget alone
         (its memory is its own length's)."""
-        if self._sharing():
-            return pack(rows, self.config.micro_batch_tokens)
-        batches: list[list[list[Transition]]] = []
-        current: list[list[Transition]] = []
-        longest = 0
-        for row in rows:
-            length = row_length(row)
-            if current and (len(current) + 1) * max(longest, length) > (
-                self.config.micro_batch_tokens
-            ):
-                batches.append(current)
-                current, longest = [], 0
-            current.append(row)
-            longest = max(longest, length)
-        if current:
-            batches.append(current)
-        return batches
+        pack_rows = pack if self._sharing() else pack_by_length
+        return pack_rows(rows, self.config.micro_batch_tokens)
 
     def _tensors(
         self, rows: list[list[Transition]], weights: dict[int, float] | None = None
@@ -477,21 +462,6 @@ class LoRATrainer:
             lengths, [t.rollout_id for t in transitions], c.aggregation, c.loss_norm_tokens
         )
         return {id(t): w for t, w in zip(transitions, found, strict=True)}
-
-    def shares(self, transitions: Sequence[Transition], world: int) -> list[list[Transition]]:
-        """The batch dealt to `world` processes by whole rows (a merged chain stays on one):
-        sorted by length, each gets a like share of short and long rows; with shared prefixes,
-        in runs of rows that share."""
-        rows = self._rows(transitions, self.config.prefix_merge)
-        if self._sharing():
-            # Contiguous runs of rows instead (as many rows each as dealing gives): a group's
-            # rows stay on one process, which computes their prompt once.
-            size, extra = divmod(len(rows), world)
-            starts = [rank * size + min(rank, extra) for rank in range(world + 1)]
-            dealt = [rows[starts[r] : starts[r + 1]] for r in range(world)]
-        else:
-            dealt = [rows[rank::world] for rank in range(world)]
-        return [[t for row in share for t in row] for share in dealt]
 
     def batch_metrics(self, transitions: Sequence[Transition]) -> dict[str, float]:
         """Metrics of the batch as a whole: the share of calls overlong filtering dropped, and
