@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -37,15 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lightning_core.algo.config import TrainerConfig  # noqa: E402
-from lightning_core.algo.prefix import row_length  # noqa: E402
-from lightning_core.algo.shared_prefix import shared_length  # noqa: E402
+from lightning_core.algo.shared_prefix import forward_tokens, shared_length  # noqa: E402
 from lightning_core.algo.trainer import LoRATrainer  # noqa: E402
+from lightning_core.data.analytics import connect  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
 from lightning_core.store.config import StoreConfig  # noqa: E402
 from lightning_core.store.duckdb_store import DuckDBStore  # noqa: E402
-from lightning_core.types import RolloutMode, Transition  # noqa: E402
-
-_ITERATION = re.compile(r"-it(\d+)-")
+from lightning_core.types import Transition  # noqa: E402
 
 
 def run_batches(run: Path, every_call: bool = False) -> dict[int, list[Transition]]:
@@ -54,14 +52,14 @@ def run_batches(run: Path, every_call: bool = False) -> dict[int, list[Transitio
     if not (run / "store.duckdb").is_file():
         sys.exit(f"{run} has no store.duckdb: give a training run's folder (runs/<run>)")
 
+    # The run's exported transitions (analytics) say which iteration trained each rollout.
+    with contextlib.closing(connect(run, database=":memory:")) as con:
+        pairs = con.execute("SELECT DISTINCT rollout_id, iteration FROM transitions").fetchall()
+    iteration_of = {rollout: int(iteration) for rollout, iteration in pairs}
+
     async def read() -> dict[int, list[Transition]]:
         store = DuckDBStore(StoreConfig(db=str(run / "store.duckdb")))
         try:
-            iteration_of = {}
-            for rollout in await store.query_rollouts():
-                found = _ITERATION.search(rollout.group_id or "")
-                if found and rollout.mode == RolloutMode.train:
-                    iteration_of[rollout.rollout_id] = int(found.group(1))
             batches: dict[int, list[Transition]] = {}
             for t in await store.query_transitions(list(iteration_of)):
                 if t.advantage or (every_call and t.advantage is not None):
@@ -83,11 +81,9 @@ def trainer_config(run: Path | None, share: bool) -> TrainerConfig:
 
 def computed_tokens(trainer: LoRATrainer, batch: list[Transition]) -> int:
     """Tokens the update's forward passes compute, padding aside (what the trainer counts)."""
-    total = 0
-    for micro in trainer._micro_batches(trainer._rows(batch, trainer.config.prefix_merge)):
-        shared = shared_length(micro) if trainer._sharing() else 0
-        total += sum(map(row_length, micro)) - shared * (len(micro) - 1)
-    return total
+    micros = trainer._micro_batches(trainer._rows(batch, trainer.config.prefix_merge))
+    sharing = trainer._sharing()
+    return sum(forward_tokens(m, shared_length(m) if sharing else 0) for m in micros)
 
 
 def timed(config: TrainerConfig, batch: list[Transition], steps: int) -> tuple[int, float]:

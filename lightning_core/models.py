@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from lightning_core.errors import InvalidInput
 
@@ -27,6 +30,18 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TINY_MODEL = "tiny-random-llama"
 # Written last into a converted folder: a folder without it is an interrupted conversion.
 _COMPLETE = ".lightning-rl-complete"
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword under which a transformers model's forward takes and returns its key/value
+    cache: `cache` in transformers 5, `past_key_values` in 4.x (a PEFT wrapper's base model's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_argument(type(base))
+
+
+@functools.cache
+def _cache_argument(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def cache_dir() -> Path:

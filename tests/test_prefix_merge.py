@@ -4,12 +4,14 @@ train exactly as they would apart; a chat template that rewrites earlier turns b
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import get_args
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lightning_core.algo.config import TrainerConfig
+from lightning_core.algo.config import Aggregation, TrainerConfig
 from lightning_core.algo.prefix import extends, merge_rows, prefix_breaks
 from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.gateway.chat import encode, render_chat
@@ -135,28 +137,23 @@ def _policy_logprobs() -> tuple[tuple[float, ...], ...]:
     return tuple(map(tuple, _trainer(prefix_merge=False).response_logprobs(_calls())))
 
 
-def _batch() -> list[Transition]:
-    """The calls with the behaviour logprobs of the policy that trains them, every fifth token's
-    raised by 0.3: ratios of 1 and e^-0.3 = 0.74, so that clipping and ratio masking act on some
-    tokens and not on others."""
+def with_behaviour(calls: Sequence[Transition], logprobs: Sequence[Sequence[float]]):
+    """The calls with the behaviour logprobs of the policy that trains them (`logprobs`), every
+    fifth token's raised by 0.3: ratios of 1 and e^-0.3 = 0.74, so that clipping and ratio
+    masking act on some tokens and not on others."""
     return [
         t.model_copy(
             update={"response_logprobs": [lp + 0.3 * (k % 5 == 0) for k, lp in enumerate(lps)]}
         )
-        for t, lps in zip(_calls(), _policy_logprobs(), strict=True)
+        for t, lps in zip(calls, logprobs, strict=True)
     ]
 
 
-@pytest.mark.parametrize(
-    "aggregation",
-    [
-        "token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum-norm",
-        "rollout-mean",
-    ],
-)
+def _batch() -> list[Transition]:
+    return with_behaviour(_calls(), _policy_logprobs())
+
+
+@pytest.mark.parametrize("aggregation", get_args(Aggregation))
 def test_the_merged_update_equals_the_unmerged_one(aggregation):
     batch = _batch()
     merged = _trainer(aggregation=aggregation, prefix_merge=True)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import get_args
 
 import pytest
 import torch
 
-from lightning_core.algo.config import TrainerConfig
+from lightning_core.algo.config import Aggregation, TrainerConfig
 from lightning_core.algo.prefix import row_length
 from lightning_core.algo.shared_prefix import (
     MIN_SHARED_TOKENS,
@@ -21,6 +22,7 @@ from lightning_core.algo.shared_prefix import (
 from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.models import tiny_model_dir
 from lightning_core.types import Transition
+from tests.test_prefix_merge import with_behaviour
 
 _rng = random.Random(7)
 SYSTEM = [_rng.randrange(10, 1000) for _ in range(48)]  # every prompt starts with it
@@ -73,14 +75,7 @@ def _policy_logprobs() -> tuple[tuple[float, ...], ...]:
 
 
 def _batch() -> list[Transition]:
-    """The calls with the behaviour logprobs of the policy that trains them, every fifth
-    token's raised by 0.3, so that clipping and ratio masking act on some tokens only."""
-    return [
-        t.model_copy(
-            update={"response_logprobs": [lp + 0.3 * (k % 5 == 0) for k, lp in enumerate(lps)]}
-        )
-        for t, lps in zip(_calls(), _policy_logprobs(), strict=True)
-    ]
+    return with_behaviour(_calls(), _policy_logprobs())
 
 
 def _same_update(options: dict, objective: str = "policy_gradient") -> tuple[dict, dict]:
@@ -96,16 +91,7 @@ def _same_update(options: dict, objective: str = "policy_gradient") -> tuple[dic
     return a, b
 
 
-@pytest.mark.parametrize(
-    "aggregation",
-    [
-        "token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum-norm",
-        "rollout-mean",
-    ],
-)
+@pytest.mark.parametrize("aggregation", get_args(Aggregation))
 def test_the_shared_update_equals_the_unshared_one(aggregation):
     a, b = _same_update({"aggregation": aggregation})
     # The merged row (prefix merging) is saved either way; sharing also leaves out the repeats

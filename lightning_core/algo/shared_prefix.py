@@ -23,13 +23,14 @@ logit the loss reads comes from the batched rest.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lightning_core.algo.prefix import row_length
+from lightning_core.backends.transformers_backend.kv_cache import common_length
+from lightning_core.models import cache_argument
 from lightning_core.types import Transition
 
 # A shorter shared prefix is computed with each row: a second forward call costs more than it
@@ -46,14 +47,6 @@ def order_key(row: Row) -> tuple[Any, ...]:
     return (tuple(row[0].prompt_token_ids), row_length(row), row[-1].rollout_id, row[-1].step)
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def shared_length(rows: Sequence[Row]) -> int:
     """How many leading tokens the rows' forward computes once: the longest prefix every row's
     first prompt starts with, kept before the shortest prompt's last token (the first target
@@ -63,15 +56,21 @@ def shared_length(rows: Sequence[Row]) -> int:
     first = rows[0][0].prompt_token_ids
     shared = min(len(row[0].prompt_token_ids) for row in rows) - 1
     for row in rows[1:]:
-        shared = min(shared, _common(first, row[0].prompt_token_ids))
+        shared = min(shared, common_length(first, row[0].prompt_token_ids))
     return shared if shared >= MIN_SHARED_TOKENS else 0
 
 
-def forward_cost(rows: Sequence[Row]) -> int:
-    """Padded tokens a micro-batch's forward computes: the shared prefix once, each row's rest
-    padded to the longest."""
-    shared = shared_length(rows)
+def forward_cost(rows: Sequence[Row], shared: int | None = None) -> int:
+    """Padded tokens a micro-batch's forward computes: the shared prefix (shared_length, unless
+    given) once, each row's rest padded to the longest."""
+    shared = shared_length(rows) if shared is None else shared
     return shared + len(rows) * (max(row_length(row) for row in rows) - shared)
+
+
+def forward_tokens(rows: Sequence[Row], shared: int) -> int:
+    """Tokens a micro-batch's forward computes, padding aside: the rows' tokens less the
+    `shared` prefix's repeats (what train/forward_tokens_saved_frac counts)."""
+    return sum(map(row_length, rows)) - shared * (len(rows) - 1)
 
 
 def pack(rows: Sequence[Row], budget: int) -> list[list[Row]]:
@@ -82,28 +81,22 @@ def pack(rows: Sequence[Row], budget: int) -> list[list[Row]]:
     rows stop at the next task rather than share only the system prompt with it."""
     batches: list[list[Row]] = []
     current: list[Row] = []
+    before = 0  # shared_length(current)
     for row in rows:
         if current:
             joined = [*current, row]
-            before, after = shared_length(current), shared_length(joined)
+            after = shared_length(joined)
             # Tokens saved together (after x n) against apart (before x (n - 1)).
-            if forward_cost(joined) > budget or after * len(current) < before * (len(current) - 1):
+            if forward_cost(joined, after) > budget or after * len(current) < before * (
+                len(current) - 1
+            ):
                 batches.append(current)
-                current = []
+                current, after = [], 0
+            before = after
         current.append(row)
     if current:
         batches.append(current)
     return batches
-
-
-def cache_argument(model: Any) -> str:
-    """The name under which the model's forward takes and returns its key/value cache."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return (
-        "cache"
-        if "cache" in inspect.signature(type(base).forward).parameters
-        else ("past_key_values")
-    )
 
 
 def forward_shared(
@@ -121,8 +114,7 @@ def forward_shared(
         use_cache=True,
         logits_to_keep=1,
     )
-    # transformers 5 names it `cache`, 4.x `past_key_values` (in and out).
-    name = cache_argument(model)
+    name = cache_argument(model)  # in and out
     cache = getattr(prefix, name)
     # Repeated rows, not views: the rest's forward appends its own keys and values per row. The
     # repeat is differentiable, so every row's gradient reaches the prefix's one forward.

@@ -43,6 +43,7 @@ from lightning_core.algo.losses import (
 from lightning_core.algo.prefix import merge_rows, pack_by_length, prefix_breaks, row_length
 from lightning_core.algo.shared_prefix import (
     forward_shared,
+    forward_tokens,
     order_key,
     pack,
     shared_length,
@@ -498,9 +499,7 @@ class LoRATrainer:
             sums |= dict.fromkeys(GAP_SUMS, 0.0)
         for batch in self._micro_batches(rows):
             x, masked, _ = self._tensors(batch, weights)
-            # The calls' tokens less the shared prefix's repeats.
-            shared = int(x["shared"]) * (len(batch) - 1)
-            sums["forward_tokens"] += sum(map(row_length, batch)) - shared
+            sums["forward_tokens"] += forward_tokens(batch, int(x["shared"]))
             logp, logits = self._logprobs(x, masked)
             if gap:
                 self._add_gap(sums, logp, x)

@@ -8,8 +8,6 @@ left padding is masked out. The mask we pass is plain causal.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from lightning_core.backends.transformers_backend.adapters import Adapters
@@ -20,6 +18,7 @@ from lightning_core.backends.transformers_backend.kv_cache import (
     common_length,
 )
 from lightning_core.backends.transformers_backend.requests import Job, Sequence
+from lightning_core.models import cache_argument
 
 
 class Batch:
@@ -37,8 +36,7 @@ class Batch:
         self.cache: KVCache | None = None
         self.prefixes = PrefixCache(config.prefix_cache_entries)
         self.prefix_tokens_reused = 0  # prompt tokens not prefilled thanks to a shared prefix
-        parameters = inspect.signature(type(adapters.model).forward).parameters
-        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_arg = cache_argument(adapters.model)
 
     def clear(self) -> None:
         self.rows, self.cache = [], None
