@@ -139,6 +139,7 @@ def markdown(
                 "credit/zero_advantage_fraction",
                 "rollout/tasks_drawn",
                 SIGNAL_SHARE,
+                "rollout/groups_mixed_success",
             ],
         ),
         "",

@@ -13,8 +13,14 @@ from lightning_core.types import Transition
 TASKS = [{"id": f"t{i}", "tier": "easy" if i % 2 else "hard"} for i in range(20)]
 
 
-def _round(calls: list[tuple[list[str], int]], teaching: set[str], group_size: int = 2):
-    """A round's rollouts: G per task, with a signal in the groups of `teaching` tasks only."""
+def _round(
+    calls: list[tuple[list[str], int]],
+    teaching: set[str],
+    group_size: int = 2,
+    solving: set[str] = frozenset(),
+):
+    """A round's rollouts: G per task, with a signal in the groups of `teaching` tasks only;
+    in those of `solving` tasks the last rollout succeeds."""
 
     def run_round(tasks, first_index: int) -> Collected:
         calls.append(([str(t["id"]) for t in tasks], first_index))
@@ -34,8 +40,9 @@ def _round(calls: list[tuple[list[str], int]], teaching: set[str], group_size: i
                         advantage=(g - 0.5) if signal else 0.0,
                     )
                 )
+                success = str(task["id"]) in solving and g == group_size - 1
                 collected.facts[rollout] = RolloutFacts(
-                    task_id=str(task["id"]), episode_return=0.0, success=False
+                    task_id=str(task["id"]), episode_return=float(success), success=success
                 )
         return collected
 
@@ -73,6 +80,27 @@ def test_with_one_round_or_no_signal_anywhere_it_stops_at_the_rounds_limit():
         "rollout/rounds": 3.0,
         "rollout/tasks_drawn": 9.0,
         "rollout/groups_with_signal": 0.0,
+        "rollout/groups_mixed_success": 0.0,
         "curriculum/weight_easy": 0.5,
         "curriculum/weight_hard": 0.5,
     }
+
+
+def test_success_learnability_tells_apart_tiers_that_partial_credit_does_not():
+    # A graded reward: every group's rewards differ, but only the easy tier's rollouts ever
+    # succeed. Counted by signal, both tiers look equally learnable; counted by success, the
+    # tier that is never solved is drawn less.
+    teaching = {t["id"] for t in TASKS}
+    solving = {t["id"] for t in TASKS if t["tier"] == "easy"}
+    learned = {}
+    for rule in ("signal", "success"):
+        config = CurriculumConfig(tier_key="tier", learnability=rule)
+        curriculum = Curriculum(TASKS, config, seed=1)
+        _, sampled = sample_rounds(curriculum, 8, 2, 1, _round([], teaching, solving=solving))
+        assert sampled["rollout/groups_with_signal"] == 8.0
+        # Every easy group drawn, and no other, held a success beside a failure.
+        assert 0 < sampled["rollout/groups_mixed_success"] < 8
+        learned[rule] = dict(curriculum.learnability)
+    assert learned["signal"]["easy"] == learned["signal"]["hard"] == 0.75
+    # 0.5 prior halfway to the iteration's share: 1.0 for easy, 0.0 for hard.
+    assert learned["success"] == {"easy": 0.75, "hard": 0.25}

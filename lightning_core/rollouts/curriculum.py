@@ -8,7 +8,10 @@ keep an iteration's batch full of groups that teach:
   easy/medium/hard, the rag agent's hop count). Each tier is drawn with weight
   `floor + learnability`, where learnability is a running share of the tier's groups that
   carried a signal. A tier the policy has mastered or cannot yet touch is drawn less, but never
-  stops being drawn: the floor keeps measuring it.
+  stops being drawn: the floor keeps measuring it. With a graded reward (partial credit for a
+  near miss) nearly every group's rewards differ, even on a tier the policy never solves, and
+  "carried a signal" stops telling tiers apart; `learnability="success"` counts a group as
+  teaching only when some of its rollouts succeeded and some did not.
 - **Dynamic sampling** (DAPO's). After a round of rollouts, while fewer than the wanted number of
   groups carry a signal and rounds are left, another round samples that many more tasks, not
   yet drawn this iteration. Groups without a signal are left out of training anyway; this only
@@ -22,10 +25,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from lightning_core.data.analytics import RolloutFacts
 from lightning_core.types import Transition
 
 # Tasks without the tier key share this tier.
@@ -44,6 +48,12 @@ class CurriculumConfig(BaseModel):
         True,
         description="Weigh tiers by learnability (the running share of their groups with a "
         "signal); False: every tier equally often.",
+    )
+    learnability: Literal["signal", "success"] = Field(
+        "signal",
+        description="Which groups count as teaching in a tier's learnability: signal (its "
+        "advantages are not all 0) or success (some of its rollouts succeeded and some did "
+        "not; for graded rewards, whose partial credit gives nearly every group a signal).",
     )
     floor: float = Field(
         0.2, gt=0, description="Weight every tier keeps beside its learnability (0 to 1)."
@@ -142,3 +152,13 @@ def group_signal(
         if t.advantage and t.rollout_id in task_of_rollout:
             signal[task_of_rollout[t.rollout_id]] = True
     return signal
+
+
+def group_success_spread(facts: Mapping[str, RolloutFacts]) -> dict[str, bool]:
+    """Task id -> whether its group held both a success and a failure, for every task with a
+    rollout in `facts` (rollout id -> its facts)."""
+    outcomes: dict[str, set[bool]] = {}
+    for fact in facts.values():
+        if fact.task_id is not None:
+            outcomes.setdefault(str(fact.task_id), set()).add(fact.success)
+    return {task: len(seen) == 2 for task, seen in outcomes.items()}

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_core.data.collect import Collected
-from lightning_core.rollouts.curriculum import Curriculum, group_signal
+from lightning_core.rollouts.curriculum import Curriculum, group_signal, group_success_spread
 
 # (the round's tasks, the index of its first rollout in the iteration) -> its transitions
 RunRound = Callable[[Sequence[Mapping[str, Any]], int], Collected]
@@ -34,7 +34,8 @@ def sample_rounds(
 ) -> tuple[Collected, dict[str, float]]:
     """An iteration's rollouts, round after round as the module doc says; returns the merged
     transitions and what was sampled (`rollout/rounds`, `rollout/tasks_drawn`,
-    `rollout/groups_with_signal`, `curriculum/weight_<tier>` as the draws saw them)."""
+    `rollout/groups_with_signal`, `rollout/groups_mixed_success` (groups with a success and a
+    failure), `curriculum/weight_<tier>` as the draws saw them)."""
     merged, drawn, with_signal = Collected(), [], 0
     weights = curriculum.weights()
     rounds = 0
@@ -52,11 +53,14 @@ def sample_rounds(
         with_signal += sum(group_signal(collected.transitions, _task_of(collected)).values())
         if with_signal >= wanted:
             break
-    curriculum.observe(group_signal(merged.transitions, _task_of(merged)), drawn)
+    spread = group_success_spread(merged.facts)
+    signal = group_signal(merged.transitions, _task_of(merged))
+    curriculum.observe(spread if curriculum.config.learnability == "success" else signal, drawn)
     return merged, {
         # A round that found no task left is not counted, but the first always is.
         "rollout/rounds": float(max(rounds, 1)),
         "rollout/tasks_drawn": float(len(drawn)),
         "rollout/groups_with_signal": float(with_signal),
+        "rollout/groups_mixed_success": float(sum(spread.values())),
         **{f"curriculum/weight_{tier}": w for tier, w in weights.items()},
     }
