@@ -81,7 +81,8 @@ def pack(rows: Sequence[Row], budget: int) -> list[list[Row]]:
     rows stop at the next task rather than share only the system prompt with it."""
     batches: list[list[Row]] = []
     current: list[Row] = []
-    before = 0  # shared_length(current)
+    # shared_length(current) once it holds two rows; with one, the test below reads it x 0.
+    before = 0
     for row in rows:
         if current:
             joined = [*current, row]
