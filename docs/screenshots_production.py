@@ -41,6 +41,7 @@ SECRET = "reload-secret-for-screenshots"
 MODEL_EVENTS = ["lightning.model.promoted", "lightning.model.canary-started"]
 # What the automation did on the canary's event: in the same feed, waited for as well.
 AUTOMATION_EVENTS = ["prefect.automation.triggered", "prefect.automation.action.executed"]
+ACTION_FAILED = "prefect.automation.action.failed"
 # The event feed is reloaded up to this many times, waiting this long for each event.
 EVENT_FEED_RELOADS = 4
 EVENT_FEED_WAIT_MS = 20_000
@@ -291,14 +292,16 @@ def production_demo(ui: str, work: Path) -> ProductionDemo:
                 canary = registry.model_copy(update={"live_gate": True})
                 _register(canary, adapter, "calc-v2", 0.6)
             flow_run_name = run_production_deployment(ui, work, production, registry)
+            # The event feed reads what the server holds when the page loads; the events are
+            # sent asynchronously (the canary's came after the page once), so wait until all
+            # are stored. Inside this block: the automation's webhook action may run late,
+            # and it must find the production server still up, or it fails (CI once).
+            wait_for_events(ui, MODEL_EVENTS + AUTOMATION_EVENTS)
     finally:
         mlflow.set_tracking_uri(prior[0])
         mlflow.set_registry_uri(prior[1])
     with SyncPrefectClient(f"{ui}/api") as client:
         deployment = client.read_deployment_by_name(DEPLOYMENT)
-    # The event feed reads what the server holds when the page loads; the events are sent
-    # asynchronously (the canary's came after the page once), so wait until all are stored.
-    wait_for_events(ui, MODEL_EVENTS + AUTOMATION_EVENTS)
     return ProductionDemo(
         ui=ui,
         deployment_id=str(deployment.id),
@@ -313,15 +316,24 @@ def wait_for_events(ui: str, names: list[str], timeout_s: float = 120.0) -> None
 
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
+    failed: list[dict] = []
     while time.monotonic() < deadline:
-        body = {"filter": {"event": {"name": names}}, "limit": 50}  # the API's page cap
+        # Failed actions too: their reasons are what a failure here should say.
+        wanted = [*names, ACTION_FAILED]
+        body = {"filter": {"event": {"name": wanted}}, "limit": 50}  # the API's page cap
         reply = httpx.post(f"{ui}/api/events/filter", json=body, timeout=30)
         reply.raise_for_status()
-        seen = {event["event"] for event in reply.json()["events"]}
+        events = reply.json()["events"]
+        seen = {event["event"] for event in events}
         if seen >= set(names):
             return
+        failed = [event for event in events if event["event"] == ACTION_FAILED]
         time.sleep(0.5)
-    raise RuntimeError(f"the Prefect server never stored {sorted(set(names) - seen)}")
+    reasons = [event.get("payload") for event in failed]
+    raise RuntimeError(
+        f"the Prefect server never stored {sorted(set(names) - seen)}"
+        + (f"; an automation action failed: {reasons}" if failed else "")
+    )
 
 
 def _wait_for(page: Any, texts: list[str], *, exact: bool = False) -> None:
