@@ -24,6 +24,7 @@ from pydantic_core import to_jsonable_python
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.data.collect import CreditConfig
+from lightning_core.provenance import ProvenanceConfig
 from lightning_core.rollouts.curriculum import CurriculumConfig
 from lightning_core.serving.config import ServerConfig
 from lightning_core.types import Sampling
@@ -116,6 +117,11 @@ class TrainConfig(BaseModel):
     registry: RegistryConfig = Field(
         default_factory=lambda: RegistryConfig(registered_model=""),
         description="MLflow; an empty registered_model means the profile's.",
+    )
+    provenance: ProvenanceConfig = Field(
+        default_factory=ProvenanceConfig,
+        description="Which policy produced the tokens trained on: the record each rollout is "
+        "checked against, and the probe after each publish.",
     )
 
     @model_validator(mode="before")

@@ -39,6 +39,7 @@ from lightning_rl.flows.run_context import (
 from lightning_rl.flows.run_state import Checkpoint, save_checkpoint
 from lightning_rl.registry.runs import log_metrics_once
 from lightning_rl.tasks.analysis import analyze_iteration
+from lightning_rl.tasks.provenance import probe_served_policy
 from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
 from lightning_rl.tasks.training import Update, publish_policy, update_policy
 
@@ -119,7 +120,13 @@ def _rollouts(
             },
         )
         return collect_transitions.submit(
-            run.server_url, rollout_ids, adapter, credit_config, key_file=run.key_file
+            run.server_url,
+            rollout_ids,
+            adapter,
+            credit_config,
+            key_file=run.key_file,
+            base_model=run.base_model if config.provenance.check_transitions else None,
+            template_fingerprint=run.template_fingerprint,
         ).result()
 
     return sample_rounds(
@@ -235,6 +242,15 @@ def train_iteration(
         it,
         key_file=run.key_file,
     )
+    if config.provenance.probe and trained.get("train/transitions", 0):
+        # Before any rollout samples from it: fail closed if the server kept the old weights.
+        trained |= probe_served_policy(
+            run.server_url,
+            policy,
+            checkpoint.policy or run.base_model,
+            config.provenance,
+            key_file=run.key_file,
+        )
     if ahead is not None:
         ahead.published(it, policy)
         overlap["pipeline/producer_wait_s"] = ahead.producer_wait_s

@@ -36,6 +36,9 @@ class PolicyServer:
     base_model: str
     log_path: str
     key_file: str
+    # The fingerprint of the tokenizer and chat template it renders with (provenance.py), as
+    # it reported it when it started; None from a server that does not report one.
+    template_fingerprint: str | None = None
     # Restarts it if it dies (serving.Supervised); None for a server nobody supervises.
     supervised: serving.Supervised | None = field(default=None, repr=False, compare=False)
 
@@ -120,9 +123,13 @@ def policy_server(
             models = urllib.request.Request(f"{url}/v1/models", headers=bearer_header(key))
             with urllib.request.urlopen(models, timeout=30) as response:
                 base_model = json.load(response)["data"][0]["id"]
+            details = urllib.request.Request(f"{url}/health/details", headers=bearer_header(key))
+            with urllib.request.urlopen(details, timeout=30) as response:
+                fingerprint = json.load(response).get("template_fingerprint")
             yield PolicyServer(
                 url=url,
                 base_model=base_model,
+                template_fingerprint=fingerprint,
                 log_path=str(supervised.log_path),
                 key_file=str(key_file),
                 supervised=supervised,

@@ -231,6 +231,7 @@ def serve(start: Start) -> Iterator[tuple[RunContext, PolicyServer, str]]:
             base_model=server.base_model,
             registered_model=start.registry.registered_model,
             key_file=server.key_file,
+            template_fingerprint=server.template_fingerprint,
         )
         yield run, server, ml.info.run_id
 

@@ -13,7 +13,7 @@ the production loop's alias follower reads and writes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -45,6 +45,8 @@ def _gateway_details(gateway: Gateway) -> dict[str, Any]:
         "backend": type(backend).__name__,
         "base_model": backend.base_model,
         "adapters_loaded": len(backend.adapters()),
+        # What renders its prompts (provenance.py): a run records it when it starts.
+        "template_fingerprint": gateway.known_template_fingerprint,
     }
     # The transformers backend counts its decoding and waiting sequences, a replicated one its
     # replicas' calls; vLLM has its own /metrics for that.
@@ -71,6 +73,19 @@ def _publishing(gateway: Gateway) -> Publishing:
         gateway.published(version)
 
     return publishing
+
+
+def _starting(gateway: Gateway) -> Callable[[], Awaitable[None]]:
+    """Before the first request: the backend's own start (vLLM runs a server), then the
+    tokenizer's fingerprint, so /health/details shows it from the start."""
+    start = getattr(gateway.backend, "start", None)
+
+    async def starting() -> None:
+        if start is not None:
+            await start()
+        await gateway.template_fingerprint()
+
+    return starting
 
 
 class ServingState(BaseModel):
@@ -127,7 +142,7 @@ def create_app(
         max_request_bytes,
         close_store,
         routers=[gateway_router(gateway, route_class=OrjsonRoute), _serving_router(gateway, store)],
-        on_start=getattr(gateway.backend, "start", None),
+        on_start=_starting(gateway),
         on_close=gateway.backend.close,
         error_body=_gateway_error,
         details=lambda: _gateway_details(gateway),

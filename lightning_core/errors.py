@@ -132,3 +132,11 @@ def error_from_answer(
 def error_from_body(error: dict) -> LightningError:
     """The error an `{"type", "message"}` object names (KeyError/TypeError if it is not one)."""
     return ERRORS_BY_NAME.get(error["type"], LightningError)(error["message"])
+
+
+class PolicyNotServed(LightningError):
+    """A published policy version does not answer as its adapter should: the server kept the
+    previous weights under the new name (a load that was skipped or failed silently), so
+    every rollout after it would train on another policy's tokens (provenance.py)."""
+
+    status_code = 503

@@ -310,6 +310,16 @@ class Transition(_Model):
         description="Why the response ended: stop, length (cut at the token limit, which "
         "overlong filtering leaves out of the loss), tool_calls; None: not recorded.",
     )
+    adapter_hash: str | None = Field(
+        None,
+        description="Content hash of the adapter the gateway served the call with "
+        "(provenance.py); None: the base model, or not recorded.",
+    )
+    template_fingerprint: str | None = Field(
+        None,
+        description="Fingerprint of the tokenizer and chat template that rendered the prompt; "
+        "None: not recorded.",
+    )
 
 
 class PolicyVersion(_Model):

@@ -27,6 +27,7 @@ from lightning_core.algo.distributed import train_data_parallel
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.data.offline import OfflineBatch, OfflineConfig, choose_method, filtered
 from lightning_core.errors import Conflict
+from lightning_core.provenance import ADAPTER_HASH_KEY, adapter_hash
 from lightning_core.types import PolicyVersion, Transition
 from lightning_rl.flows.gpu_slot import gpu_slot
 from lightning_rl.flows.policy_server import store_client
@@ -302,7 +303,9 @@ def _policy_versions(
     name: str, base_model: str, adapter_dir: str, iteration: int
 ) -> list[PolicyVersion]:
     """The versions that publish a policy folder: itself for one shared adapter; for one adapter
-    per agent, a version per agent (`<name>-<agent>`), then `name` mapping each agent to its own."""
+    per agent, a version per agent (`<name>-<agent>`), then `name` mapping each agent to its own.
+    Each adapter's content hash is declared (provenance.py): the gateway refuses to serve a
+    folder rewritten since, and the run's record of what it served is these hashes."""
     folder = Path(adapter_dir).resolve()
     agents = agent_adapter_dirs(folder)
     if not agents:
@@ -311,7 +314,7 @@ def _policy_versions(
                 name=name,
                 base_model=base_model,
                 adapter_path=str(folder),
-                metadata={"iteration": iteration},
+                metadata={"iteration": iteration, ADAPTER_HASH_KEY: adapter_hash(folder)},
             )
         ]
     own = [
@@ -319,7 +322,7 @@ def _policy_versions(
             name=f"{name}-{agent}",
             base_model=base_model,
             adapter_path=str(path),
-            metadata={"iteration": iteration, "agent": agent},
+            metadata={"iteration": iteration, "agent": agent, ADAPTER_HASH_KEY: adapter_hash(path)},
         )
         for agent, path in agents.items()
     ]

@@ -85,6 +85,7 @@ def row(rollout: str, **overrides) -> dict:
         "tool_errors": 0,
         "policy_version": "v1",
         "prefix_break": None,
+        "provenance_refused": None,
     }
     return base | overrides
 
@@ -155,6 +156,7 @@ def test_iteration_metrics_are_exact(run):
             "rollout/prompt_tokens_per_action": (3 + 5 + 4 + 2) / 4,
             "rollout/tool_error_rate": 1 / 3,
             "rollout/episodes": 4.0,
+            "rollout/provenance_refused": 0.0,
             "credit/advantage_mean": 0.5 / 4,
             "credit/advantage_abs_mean": 1.5 / 4,
             "credit/zero_advantage_fraction": 0.25,

@@ -271,6 +271,7 @@ def _rows(n: int, reward: float) -> list[dict[str, Any]]:
             "tool_errors": 0,
             "policy_version": f"run-v{i}",
             "prefix_break": None,  # each row is its agent's first call
+            "provenance_refused": None,
         }
         for i in range(n)
     ]

@@ -74,6 +74,8 @@ def _call_transitions(span: Span) -> list[Transition]:
             temperature=a.get("gen_ai.request.temperature", 1.0),
             top_p=a.get("gen_ai.request.top_p", 1.0),
             finish_reason=a.get(semconv.RESPONSE.format(i=i, key="finish_reason")),
+            adapter_hash=a.get(semconv.ADAPTER_HASH),
+            template_fingerprint=a.get(semconv.TEMPLATE_FINGERPRINT),
         )
         for i in range(count)
     ]

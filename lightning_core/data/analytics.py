@@ -84,6 +84,14 @@ COLUMNS: tuple[Column, ...] = (
         "The prompt does not extend the previous call of its agent in the attempt, so training "
         "cannot share that call's forward pass (algo/prefix.py); NULL: the agent's first call.",
     ),
+    Column(
+        "provenance_refused",
+        "VARCHAR",
+        pa.string(),
+        True,
+        "Why the rollout's calls were not trained on: another adapter or template answered "
+        "than the run served (provenance.py); NULL: not refused.",
+    ),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
 # The feedback export of a data=episodes run, in file order.
@@ -111,6 +119,7 @@ ROLLOUT_COLUMNS = (
     "success",
     "tool_calls",
     "tool_errors",
+    "provenance_refused",
 )
 
 
@@ -132,6 +141,9 @@ class RolloutFacts(BaseModel):
     )
     policy_version: str | None = Field(
         None, description="Policy version the rollout used, where a transition does not say."
+    )
+    provenance_refused: str | None = Field(
+        None, description="Why its calls were refused for their provenance; None: they were not."
     )
 
     @model_validator(mode="after")
@@ -431,7 +443,8 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
             count(*) FILTER (WHERE step <> {PLACEHOLDER_STEP}) AS actions,
             any_value(tool_calls) AS tool_calls,
             any_value(tool_errors) AS tool_errors,
-            max(policy_version) AS policy_version
+            max(policy_version) AS policy_version,
+            any_value(provenance_refused) AS provenance_refused
         FROM exported_rows
         GROUP BY iteration, rollout_id
         """
@@ -494,7 +507,8 @@ WITH ep AS (
         avg(actions) AS "rollout/actions_per_episode",
         coalesce(sum(tool_errors)::DOUBLE / nullif(sum(tool_calls), 0), 0.0)
             AS "rollout/tool_error_rate",
-        count(*)::DOUBLE AS "rollout/episodes"
+        count(*)::DOUBLE AS "rollout/episodes",
+        count(provenance_refused)::DOUBLE AS "rollout/provenance_refused"
     FROM episodes WHERE $iteration IS NULL OR iteration = $iteration
     GROUP BY iteration
 ), tr AS (
@@ -511,6 +525,7 @@ SELECT ep.iteration,
     "rollout/reward_mean", "rollout/reward_std", "rollout/success_rate",
     "rollout/actions_per_episode", "rollout/tokens_per_action",
     "rollout/prompt_tokens_per_action", "rollout/tool_error_rate", "rollout/episodes",
+    "rollout/provenance_refused",
     "credit/advantage_mean", "credit/advantage_abs_mean", "credit/zero_advantage_fraction"
 FROM ep LEFT JOIN tr USING (iteration)
 ORDER BY ep.iteration

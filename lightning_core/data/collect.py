@@ -11,6 +11,7 @@ an episode with return 0, so success rates are not flattered by dropping failure
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from lightning_core.algo.advantages import Episode, Estimator, compute_advantage
 from lightning_core.algo.credit import CreditStrategy, assign_credit
 from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.data.analytics import RolloutFacts
+from lightning_core.provenance import ProvenanceRecord, episode_disagreement
 from lightning_core.types import Rollout, RolloutStatus, Span, Transition
 
 
@@ -50,6 +52,8 @@ class Collected:
 
     transitions: list[Transition] = field(default_factory=list)
     facts: dict[str, RolloutFacts] = field(default_factory=dict)
+    # Rollouts refused for their provenance, by reason (provenance.py).
+    refused: Counter[str] = field(default_factory=Counter)
 
     @property
     def trainable(self) -> list[Transition]:
@@ -68,9 +72,12 @@ def collect(
     spans: Sequence[Span],
     adapter: AdapterConfig | None = None,
     credit: CreditConfig | None = None,
+    provenance: ProvenanceRecord | None = None,
 ) -> Collected:
     """Transitions (with advantages) and facts of finished rollouts, given the spans of their
-    latest attempts."""
+    latest attempts. With `provenance`, a rollout any of whose calls disagrees with it (another
+    adapter or template than the run served) gives no transitions: it is trained on by no
+    update and counted as refused, its facts naming why."""
     credit = credit or CreditConfig()
     by_rollout: dict[str, list[Span]] = {}
     for span in spans:
@@ -84,6 +91,10 @@ def collect(
         mine = by_rollout.get(rollout.rollout_id, [])
         succeeded = rollout.status is RolloutStatus.succeeded
         transitions = spans_to_transitions(mine, rollout, adapter) if succeeded else []
+        refused = episode_disagreement(transitions, provenance) if provenance else None
+        if refused is not None:
+            out.refused[refused] += 1
+            transitions = []
         calls, errors = tool_counts(mine)
         final = rollout.episode_return if succeeded and rollout.episode_return is not None else 0.0
         out.facts[rollout.rollout_id] = RolloutFacts(
@@ -94,6 +105,7 @@ def collect(
             tool_calls=calls,
             tool_errors=errors,
             policy_version=rollout.policy_version,
+            provenance_refused=refused,
         )
         if not transitions:
             continue

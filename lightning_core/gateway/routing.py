@@ -109,12 +109,15 @@ class Routed:
 
         async def adapter_for(self, model: str, agent: str | None = None) -> str | None: ...
 
+        async def template_fingerprint(self) -> str: ...
+
     async def route(self, model: str, ctx: CallContext) -> str | None:
         """The adapter that answers a call asking for `model` (None: the base model), picked
         once per call: the routing's version for champion/challenger (the canary's split by
         episode), else adapter_for. Noted on `ctx` for the span and the answer's header."""
         routed = self.routing.resolve(model, ctx.episode_id)
         adapter = await self.adapter_for(routed or model, ctx.agent_name)
+        await self.template_fingerprint()  # for the call's span
         ctx.policy_version = adapter or self.backend.base_model
         return adapter
 

@@ -20,7 +20,6 @@ picked by the agent name the call carries, and records that version on the call'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
 import uuid
@@ -40,16 +39,17 @@ from lightning_core.backends.base import (
 )
 from lightning_core.backends.grammar_limits import check_constraint
 from lightning_core.backends.text import IncrementalText
-from lightning_core.errors import InvalidInput, NotFound
+from lightning_core.errors import InvalidInput
 from lightning_core.gateway import chat as chat_format
 from lightning_core.gateway.limits import CallLimits, CallSlot, chars_per_token
+from lightning_core.gateway.loading import AdapterLoading
 from lightning_core.gateway.protocol import model_object
 from lightning_core.gateway.routing import Routed
 from lightning_core.gateway.spans import LLMCall, llm_call_span
-from lightning_core.security.adapter_folder import AdapterRules, check_adapter
+from lightning_core.security.adapter_folder import AdapterRules
 from lightning_core.serving.offload import off_loop
 from lightning_core.store.base import SpanRecorder
-from lightning_core.types import PolicyVersion, episode_rollout_id
+from lightning_core.types import episode_rollout_id
 
 
 class GatewayConfig(AdapterRules):
@@ -222,7 +222,7 @@ def held(slot: CallSlot, events: AsyncIterator[T]) -> AsyncIterator[T]:
     return stream
 
 
-class Gateway(Routed):
+class Gateway(Routed, AdapterLoading):
     """Serves a Backend behind client APIs and records rollout calls through a span recorder."""
 
     def __init__(
@@ -244,6 +244,7 @@ class Gateway(Routed):
         # Policy versions never change once registered, so their agent maps are kept after the
         # first lookup: an agent's calls then skip the store.
         self._agent_policies: dict[str, dict[str, str]] = {}
+        self._adapter_hashes: dict[str, str] = {}  # AdapterLoading's
 
     @property
     def tokenizer(self) -> Any:
@@ -264,59 +265,6 @@ class Gateway(Routed):
         data = [model_object(base)]
         data += [model_object(name, parent=base) for name in self.backend.adapters()]
         return {"object": "list", "data": data}
-
-    async def adapter_for(self, model: str, agent: str | None = None) -> str | None:
-        """The adapter serving `model` (None: the base model) to a call of `agent`, loading a
-        registered one. When `model` has a policy of `agent`'s own, that policy's adapter; its
-        own agent map is not followed (one level), so maps cannot form cycles. An alias
-        (`model_aliases`) is looked up first, once."""
-        model = self.config.model_aliases.get(model, model)
-        if model == self.backend.base_model:
-            return None
-        own = self._agent_policies.get(model, {}).get(agent) if agent is not None else None
-        if own is not None:
-            return await self.adapter_for(own)
-        if model in self.backend.adapters():
-            return model
-        version = None
-        if self.store is not None:
-            try:
-                version = await self.store.get_policy_version(model)
-            except NotFound:
-                version = None
-        if version is None:
-            served = [self.backend.base_model, *self.backend.adapters()]
-            raise NotFound(
-                f"model {model!r} is not served here; served: {', '.join(served)} "
-                "(or any policy version registered in the store)"
-            )
-        if version.agent_policies:
-            self._agent_policies[model] = dict(version.agent_policies)
-            if agent in version.agent_policies:
-                return await self.adapter_for(version.agent_policies[agent])
-        if version.adapter_path is None:
-            return None
-        folder = str(await asyncio.to_thread(check_adapter, version.adapter_path, self.config))
-        async with self._loading:
-            if model not in self.backend.adapters():
-                await self.backend.load_adapter(model, folder)
-        return model
-
-    async def load_version(self, version: PolicyVersion) -> bool:
-        """Load a new policy version's adapter (on every replica) before the store registers
-        it, so that no call sees the version unloaded anywhere; True if this loaded it. One the
-        store has already is left as it is (the store refuses it again). Its folder must pass
-        the adapter rules (adapter_folder.py) before any backend, or the Hub, sees it."""
-        if version.adapter_path is None:
-            return False
-        folder = str(await asyncio.to_thread(check_adapter, version.adapter_path, self.config))
-        if self.store is not None:
-            with contextlib.suppress(NotFound):
-                await self.store.get_policy_version(version.name)
-                return False
-        async with self._loading:
-            await self.backend.load_adapter(version.name, folder)
-        return True
 
     @staticmethod
     def affinity(ctx: CallContext) -> str | None:
@@ -373,6 +321,8 @@ class Gateway(Routed):
             api=api,
             request_model=model,
             policy_version=request.adapter or self.backend.base_model,
+            adapter_hash=self.adapter_hash(request.adapter),
+            template_fingerprint=self._template_fingerprint,
             response_id=response_id,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,

@@ -42,6 +42,10 @@ class LLMCall:
     traceparent: str | None = None
     input_messages: Any = None
     output_messages: Any = None
+    # What answered (provenance.py): the adapter's content hash (None: the base model) and the
+    # fingerprint of the tokenizer and chat template.
+    adapter_hash: str | None = None
+    template_fingerprint: str | None = None
 
 
 def trace_context(traceparent: str | None) -> tuple[str, str | None]:
@@ -79,6 +83,10 @@ def llm_call_span(call: LLMCall) -> Span:
         semconv.RESPONSE_COUNT: len(call.choices),
     }
     attributes[semconv.API] = call.api
+    if call.adapter_hash is not None:
+        attributes[semconv.ADAPTER_HASH] = call.adapter_hash
+    if call.template_fingerprint is not None:
+        attributes[semconv.TEMPLATE_FINGERPRINT] = call.template_fingerprint
     if p.constraint is not None:
         # Constrained decoding: the logprobs are those of the masked distribution sampled from.
         attributes["gen_ai.output.type"] = "text" if p.constraint.kind == "grammar" else "json"

@@ -50,6 +50,7 @@ def sample_rounds(
         drawn += chosen
         merged.transitions += collected.transitions
         merged.facts |= collected.facts
+        merged.refused += collected.refused
         with_signal += sum(group_signal(collected.transitions, _task_of(collected)).values())
         if with_signal >= wanted:
             break

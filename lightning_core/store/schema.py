@@ -128,6 +128,8 @@ TRANSITIONS = Table(
         ("temperature", "DOUBLE"),
         ("top_p", "DOUBLE"),
         ("finish_reason", "VARCHAR"),
+        ("adapter_hash", "VARCHAR"),
+        ("template_fingerprint", "VARCHAR"),
     ),
 )
 
@@ -201,6 +203,8 @@ MIGRATIONS = (
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS temperature DOUBLE DEFAULT 1.0",
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS top_p DOUBLE DEFAULT 1.0",
     "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS finish_reason VARCHAR",
+    "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS adapter_hash VARCHAR",
+    "ALTER TABLE transitions ADD COLUMN IF NOT EXISTS template_fingerprint VARCHAR",
     "ALTER TABLE policy_versions ADD COLUMN IF NOT EXISTS agent_policies JSON DEFAULT '{}'",
 )
 
@@ -313,6 +317,8 @@ def transition_row(t: Transition) -> tuple[Any, ...]:
         t.temperature,
         t.top_p,
         t.finish_reason,
+        t.adapter_hash,
+        t.template_fingerprint,
     )
 
 

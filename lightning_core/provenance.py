@@ -1,0 +1,164 @@
+"""Which policy produced a token: the served adapter's content hash and a fingerprint of the
+tokenizer and chat template, recorded on every LLM call's span and checked before training.
+
+A policy version's name says which adapter a run meant to serve; it does not say which weights
+answered. A LoRA sync that silently stopped (the server kept the old weights under the new name)
+or a server restarted with another tokenizer or chat template still produces plausible spans.
+So the gateway hashes the adapter files it actually loads and fingerprints the tokenizer it
+actually renders with, each call's span carries both, and the run compares them with its own
+record (`ProvenanceRecord`): transitions that disagree are refused, and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, FiniteFloat
+
+from lightning_core.security.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
+from lightning_core.types import PolicyVersion, Transition
+
+# The files PEFT loads from an adapter folder: only they decide what the adapter computes.
+_HASHED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+_CHUNK = 1 << 20
+
+# The key of a policy version's metadata under which its publisher declares its adapter's hash.
+ADAPTER_HASH_KEY = "adapter_hash"
+
+# Why a transition was refused; the keys of the counts `refused` returns.
+UNKNOWN_VERSION = "unknown_version"
+ADAPTER_MISMATCH = "adapter_mismatch"
+TEMPLATE_MISMATCH = "template_mismatch"
+
+
+def adapter_hash(folder: str | Path) -> str:
+    """sha256 (hex) of an adapter folder's config and weights, each with its name and length,
+    so that moving bytes between the files changes it too. Read in chunks: the weights can be
+    hundreds of MB."""
+    digest = hashlib.sha256()
+    for name in _HASHED_FILES:
+        path = Path(folder) / name
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def template_fingerprint(tokenizer: Any) -> str:
+    """sha256 (hex) of what turns messages into token ids: the chat template, the vocabulary
+    (token -> id) and the special tokens. Two tokenizers with the same fingerprint render and
+    encode every conversation alike."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab = sorted(get_vocab().items(), key=lambda item: item[1]) if get_vocab else None
+    facts = {
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "vocab": vocab,
+        "special_tokens": getattr(tokenizer, "special_tokens_map", {}),
+    }
+    canonical = json.dumps(facts, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class ProvenanceConfig(BaseModel):
+    """How a run checks which policy produced the tokens it trains on."""
+
+    check_transitions: bool = Field(
+        True,
+        description="Refuse rollouts whose calls' policy version, adapter hash or template "
+        "fingerprint disagree with the run's record (counted as rollout/provenance_refused).",
+    )
+    probe: bool = Field(
+        True,
+        description="After each publish that changed the adapter, ask the server for the probe "
+        "prompt's greedy logprobs under the new and the previous version, and stop the run "
+        "(PolicyNotServed) if they are the same: the server did not load the new weights.",
+    )
+    probe_prompt: str = Field(
+        "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:",
+        min_length=1,
+        max_length=4000,
+        description="The fixed text the probe completes.",
+    )
+    probe_tokens: int = Field(8, ge=1, le=64, description="Greedy tokens the probe scores.")
+    probe_tolerance: float = Field(
+        1e-6,
+        ge=0,
+        description="Largest logprob difference still counted as 'the same': float32 on one "
+        "machine repeats itself exactly; raise it for a server whose batches add noise (bf16).",
+    )
+
+
+class ProbeAnswer(BaseModel):
+    """The probe's greedy completion under one policy version."""
+
+    tokens: list[str]
+    logprobs: list[FiniteFloat]
+
+
+def probe_difference(new: ProbeAnswer, old: ProbeAnswer) -> float:
+    """How far apart two versions answered the probe: infinite when their greedy tokens
+    differ, else the largest difference of a token's logprob."""
+    if new.tokens != old.tokens or len(new.logprobs) != len(old.logprobs):
+        return float("inf")
+    return max((abs(a - b) for a, b in zip(new.logprobs, old.logprobs, strict=True)), default=0.0)
+
+
+class ProvenanceRecord(BaseModel):
+    """What a run served: its base model, the policy versions it published (or started from)
+    with the adapter hash each declared, and the fingerprint of its tokenizer and template."""
+
+    base_model: str = Field(description="The base model's served name (a version with no adapter).")
+    versions: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="Policy version name -> the content hash its publisher declared for its "
+        "adapter; None: none declared (no adapter, or a publisher that does not declare).",
+    )
+    template_fingerprint: str | None = Field(
+        None, description="The run's template fingerprint; None: not checked."
+    )
+
+    @classmethod
+    def of(
+        cls,
+        base_model: str,
+        versions: Iterable[PolicyVersion],
+        template_fingerprint: str | None = None,
+    ) -> ProvenanceRecord:
+        """The record of a store's policy versions, as their publishers declared them."""
+        declared = {v.name: v.metadata.get(ADAPTER_HASH_KEY) for v in versions}
+        return cls(
+            base_model=base_model,
+            versions={name: str(h) if h is not None else None for name, h in declared.items()},
+            template_fingerprint=template_fingerprint,
+        )
+
+    def disagreement(self, t: Transition) -> str | None:
+        """Why `t` does not match this record (one of the reason constants), or None. A value
+        the span did not carry (an older store, an OTLP source without our gateway) is not
+        checked: only a recorded value that disagrees refuses a transition."""
+        version = t.policy_version
+        if version is not None and version != self.base_model:
+            if version not in self.versions:
+                return UNKNOWN_VERSION
+            expected = self.versions[version]
+            if expected is not None and t.adapter_hash not in (None, expected):
+                return ADAPTER_MISMATCH
+        if (
+            self.template_fingerprint is not None
+            and t.template_fingerprint is not None
+            and t.template_fingerprint != self.template_fingerprint
+        ):
+            return TEMPLATE_MISMATCH
+        return None
+
+
+def episode_disagreement(transitions: Iterable[Transition], record: ProvenanceRecord) -> str | None:
+    """The first reason any of an episode's transitions disagrees with `record`, or None. An
+    episode is kept or refused whole: calls of another policy in it would give the others
+    advantages from a return the recorded policies did not earn alone."""
+    return next(filter(None, map(record.disagreement, transitions)), None)
