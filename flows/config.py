@@ -24,7 +24,7 @@ from pydantic_core import to_jsonable_python
 
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.data.collect import CreditConfig
-from lightning_core.provenance import ProvenanceConfig
+from lightning_core.data.provenance import ProvenanceConfig
 from lightning_core.rollouts.curriculum import CurriculumConfig
 from lightning_core.serving.config import ServerConfig
 from lightning_core.types import Sampling

@@ -36,7 +36,7 @@ class PolicyServer:
     base_model: str
     log_path: str
     key_file: str
-    # The fingerprint of the tokenizer and chat template it renders with (provenance.py), as
+    # The fingerprint of the tokenizer and chat template it renders with (docs/provenance.md), as
     # it reported it when it started; None from a server that does not report one.
     template_fingerprint: str | None = None
     # Restarts it if it dies (serving.Supervised); None for a server nobody supervises.

@@ -31,7 +31,7 @@ class RunContext(BaseModel):
     # The path of the policy server's 0600 key file, not the key: parameters are stored and
     # shown in the UI.
     key_file: str
-    # The run's record of what renders prompts (provenance.py): the server's fingerprint when
+    # The run's record of what renders prompts (docs/provenance.md): the server's fingerprint when
     # the run started; transitions rendered otherwise are refused. None: not checked.
     template_fingerprint: str | None = None
 

@@ -45,7 +45,7 @@ def _gateway_details(gateway: Gateway) -> dict[str, Any]:
         "backend": type(backend).__name__,
         "base_model": backend.base_model,
         "adapters_loaded": len(backend.adapters()),
-        # What renders its prompts (provenance.py): a run records it when it starts.
+        # What renders its prompts (security/provenance.py): a run records it when it starts.
         "template_fingerprint": gateway.known_template_fingerprint,
     }
     # The transformers backend counts its decoding and waiting sequences, a replicated one its

@@ -137,6 +137,6 @@ def error_from_body(error: dict) -> LightningError:
 class PolicyNotServed(LightningError):
     """A published policy version does not answer as its adapter should: the server kept the
     previous weights under the new name (a load that was skipped or failed silently), so
-    every rollout after it would train on another policy's tokens (provenance.py)."""
+    every rollout after it would train on another policy's tokens (data/provenance.py)."""
 
     status_code = 503

@@ -20,11 +20,14 @@ PROMPT_TOKEN_IDS = "lightning.prompt_token_ids"
 RESPONSE = "lightning.response.{i}.{key}"
 RESPONSE_COUNT = "lightning.response.count"
 POLICY_VERSION = "lightning.policy_version"
-# What answered, beyond the version's name (provenance.py): the content hash of the adapter the
-# gateway loaded for it (absent for the base model), and the fingerprint of the tokenizer and
-# chat template that rendered the prompt.
+# What answered, beyond the version's name (security/provenance.py): the content hash of the
+# adapter the gateway loaded for it (absent for the base model), and the fingerprint of the
+# tokenizer and chat template that rendered the prompt.
 ADAPTER_HASH = "lightning.adapter_hash"
 TEMPLATE_FINGERPRINT = "lightning.template_fingerprint"
+# The key of a policy version's metadata under which its publisher declares its adapter's
+# content hash: the gateway refuses a folder whose bytes no longer match it.
+ADAPTER_HASH_METADATA = "adapter_hash"
 # The client API a call came in through (chat.completions, completions, responses, messages).
 API = "lightning.api"
 # Set when the call's output was constrained to a grammar: json_object, json_schema or grammar.

@@ -313,7 +313,7 @@ class Transition(_Model):
     adapter_hash: str | None = Field(
         None,
         description="Content hash of the adapter the gateway served the call with "
-        "(provenance.py); None: the base model, or not recorded.",
+        "(security/provenance.py); None: the base model, or not recorded.",
     )
     template_fingerprint: str | None = Field(
         None,

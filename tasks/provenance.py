@@ -16,14 +16,10 @@ import httpx
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from lightning_core.data.provenance import ProbeAnswer, ProvenanceConfig, probe_difference
 from lightning_core.errors import PolicyNotServed
-from lightning_core.provenance import (
-    ADAPTER_HASH_KEY,
-    ProbeAnswer,
-    ProvenanceConfig,
-    probe_difference,
-)
 from lightning_core.security.keys import bearer_header
+from lightning_core.semconv import ADAPTER_HASH_METADATA
 from lightning_core.types import PolicyVersion
 from lightning_rl.flows.policy_server import read_key, store_client
 
@@ -65,7 +61,7 @@ def _pairs(versions: dict[str, PolicyVersion], new: str, old: str) -> list[tuple
 def _same_adapter(versions: dict[str, PolicyVersion], a: str, b: str) -> bool:
     """Whether both versions declared the same adapter hash: then the same answers are right."""
     declared = [
-        versions[v].metadata.get(ADAPTER_HASH_KEY) if v in versions else None for v in (a, b)
+        versions[v].metadata.get(ADAPTER_HASH_METADATA) if v in versions else None for v in (a, b)
     ]
     return declared[0] is not None and declared[0] == declared[1]
 

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lightning_core.data.adapter import AdapterConfig
 from lightning_core.data.collect import Collected, CreditConfig, collect
-from lightning_core.provenance import ProvenanceRecord
+from lightning_core.data.provenance import ProvenanceRecord
 from lightning_core.rollouts.agent_ref import load_agent
 from lightning_core.rollouts.runner import AttemptResult, Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
@@ -156,7 +156,7 @@ async def collect_transitions(
 ) -> Collected:
     """Spans to transitions with LightningRL credit and group advantages, stored back. With
     `base_model` (the name the server serves it under), each rollout's calls are checked
-    against the run's record (provenance.py): the adapter hashes the run's policy versions
+    against the run's record (data/provenance.py): the adapter hashes the run's policy versions
     declared when published, and `template_fingerprint`; a rollout that disagrees is refused."""
     async with store_client(server_url, key_file) as store:
         rollouts = await store.query_rollouts(rollout_ids=rollout_ids)

@@ -27,7 +27,8 @@ from lightning_core.algo.distributed import train_data_parallel
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.data.offline import OfflineBatch, OfflineConfig, choose_method, filtered
 from lightning_core.errors import Conflict
-from lightning_core.provenance import ADAPTER_HASH_KEY, adapter_hash
+from lightning_core.security.provenance import adapter_hash
+from lightning_core.semconv import ADAPTER_HASH_METADATA
 from lightning_core.types import PolicyVersion, Transition
 from lightning_rl.flows.gpu_slot import gpu_slot
 from lightning_rl.flows.policy_server import store_client
@@ -304,7 +305,7 @@ def _policy_versions(
 ) -> list[PolicyVersion]:
     """The versions that publish a policy folder: itself for one shared adapter; for one adapter
     per agent, a version per agent (`<name>-<agent>`), then `name` mapping each agent to its own.
-    Each adapter's content hash is declared (provenance.py): the gateway refuses to serve a
+    Each adapter's content hash is declared (docs/provenance.md): the gateway refuses to serve a
     folder rewritten since, and the run's record of what it served is these hashes."""
     folder = Path(adapter_dir).resolve()
     agents = agent_adapter_dirs(folder)
@@ -314,7 +315,7 @@ def _policy_versions(
                 name=name,
                 base_model=base_model,
                 adapter_path=str(folder),
-                metadata={"iteration": iteration, ADAPTER_HASH_KEY: adapter_hash(folder)},
+                metadata={"iteration": iteration, ADAPTER_HASH_METADATA: adapter_hash(folder)},
             )
         ]
     own = [
@@ -322,7 +323,11 @@ def _policy_versions(
             name=f"{name}-{agent}",
             base_model=base_model,
             adapter_path=str(path),
-            metadata={"iteration": iteration, "agent": agent, ADAPTER_HASH_KEY: adapter_hash(path)},
+            metadata={
+                "iteration": iteration,
+                "agent": agent,
+                ADAPTER_HASH_METADATA: adapter_hash(path),
+            },
         )
         for agent, path in agents.items()
     ]

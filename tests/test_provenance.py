@@ -6,6 +6,7 @@ record, counted per reason and in the analytics export."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -16,14 +17,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_core import provenance, semconv
+from lightning_core import semconv
 from lightning_core.app import create_app
 from lightning_core.backends.transformers_backend import TransformersBackend
 from lightning_core.data import analytics
+from lightning_core.data import provenance as checks
 from lightning_core.data.collect import collect
+from lightning_core.data.provenance import ProbeAnswer, ProvenanceConfig, ProvenanceRecord
 from lightning_core.errors import PolicyNotServed
 from lightning_core.gateway.service import Gateway, GatewayConfig
-from lightning_core.provenance import ProbeAnswer, ProvenanceConfig, ProvenanceRecord
+from lightning_core.security import provenance
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import Rollout, Transition
@@ -91,6 +94,11 @@ async def _finish(server, rollout: Rollout) -> tuple[list[Rollout], list]:
     return rollouts, spans
 
 
+async def _versions(server) -> list:
+    async with HttpStoreClient(server.url) as store:
+        return await store.list_policy_versions()
+
+
 def test_the_adapter_hash_is_of_the_content_wherever_the_folder_lies(adapters, tmp_path):
     first = provenance.adapter_hash(adapters[0])
     moved = shutil.copytree(adapters[0], tmp_path / "elsewhere")
@@ -114,14 +122,14 @@ def test_the_template_fingerprint_changes_with_the_template_only(model_dir):
 
 def test_the_probe_difference_by_hand():
     a = ProbeAnswer(tokens=["x", "y"], logprobs=[-1.0, -2.0])
-    assert provenance.probe_difference(a, a) == 0.0
+    assert checks.probe_difference(a, a) == 0.0
     shifted = ProbeAnswer(tokens=["x", "y"], logprobs=[-1.0, -2.25])
-    assert provenance.probe_difference(shifted, a) == 0.25
+    assert checks.probe_difference(shifted, a) == 0.25
     other = ProbeAnswer(tokens=["x", "z"], logprobs=[-1.0, -2.0])
-    assert provenance.probe_difference(other, a) == float("inf")
+    assert checks.probe_difference(other, a) == float("inf")
 
 
-async def test_each_call_span_names_the_adapter_bytes_and_template_that_answered(
+def test_each_call_span_names_the_adapter_bytes_and_template_that_answered(
     server, adapters, model_dir
 ):
     name = publish_policy.fn(server.url, "s-v1", server.model, str(adapters[0]), 1)
@@ -130,12 +138,12 @@ async def test_each_call_span_names_the_adapter_bytes_and_template_that_answered
         declared = http.get(f"/store/policy-versions/{name}").json()["metadata"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert details["template_fingerprint"] == provenance.template_fingerprint(tokenizer)
-    assert declared[provenance.ADAPTER_HASH_KEY] == provenance.adapter_hash(adapters[0])
+    assert declared[semconv.ADAPTER_HASH_METADATA] == provenance.adapter_hash(adapters[0])
 
     base_url, rollout = _attempt(server)
     _chat(base_url, name)
     _chat(base_url, server.model)
-    _, spans = await _finish(server, rollout)
+    _, spans = asyncio.run(_finish(server, rollout))
     calls = [s.attributes for s in spans if semconv.PROMPT_TOKEN_IDS in s.attributes]
     assert [c[semconv.POLICY_VERSION] for c in calls] == [name, server.model]
     assert calls[0][semconv.ADAPTER_HASH] == provenance.adapter_hash(adapters[0])
@@ -149,12 +157,12 @@ def test_a_folder_rewritten_after_its_hash_was_declared_is_not_served(server, ad
         "base_model": server.model,
         "adapter_path": str(adapters[1]),
         # What the publisher hashed: another adapter's bytes than the folder holds now.
-        "metadata": {provenance.ADAPTER_HASH_KEY: provenance.adapter_hash(adapters[0])},
+        "metadata": {semconv.ADAPTER_HASH_METADATA: provenance.adapter_hash(adapters[0])},
     }
     with httpx.Client(base_url=server.url) as http:
         reply = http.post("/store/policy-versions", json=version)
         assert reply.status_code == 400, reply.text
-        assert "rewritten after it was published" in reply.json()["detail"]
+        assert "rewritten after it was published" in reply.json()["error"]["message"]
         assert http.get("/store/policy-versions/s-rewritten").status_code == 404
     assert "s-rewritten" not in server.gateway.backend.adapters()
 
@@ -192,12 +200,11 @@ def test_an_unchanged_adapter_is_not_probed(server, adapters):
     }
 
 
-async def test_rollouts_that_disagree_with_the_runs_record_are_refused_and_counted(
+def test_rollouts_that_disagree_with_the_runs_record_are_refused_and_counted(
     server, adapters, tmp_path
 ):
     name = publish_policy.fn(server.url, "r-v1", server.model, str(adapters[1]), 1)
-    async with HttpStoreClient(server.url) as store:
-        versions = await store.list_policy_versions()
+    versions = asyncio.run(_versions(server))
     fingerprint = server.gateway.known_template_fingerprint
     record = ProvenanceRecord.of(server.model, versions, fingerprint)
 
@@ -205,7 +212,7 @@ async def test_rollouts_that_disagree_with_the_runs_record_are_refused_and_count
     for model in (name, server.model):
         base_url, rollout = _attempt(server)
         _chat(base_url, model)
-        rollouts, spans = await _finish(server, rollout)
+        rollouts, spans = asyncio.run(_finish(server, rollout))
         gathered[0].extend(rollouts)
         gathered[1].extend(spans)
 
@@ -215,15 +222,15 @@ async def test_rollouts_that_disagree_with_the_runs_record_are_refused_and_count
     # The run's record says r-v1 was another adapter's bytes: its rollout is refused whole.
     other = record.model_copy(update={"versions": {name: provenance.adapter_hash(adapters[0])}})
     refused = collect(*gathered, provenance=other)
-    assert dict(refused.refused) == {provenance.ADAPTER_MISMATCH: 1}
+    assert dict(refused.refused) == {checks.ADAPTER_MISMATCH: 1}
     assert [t.policy_version for t in refused.transitions] == [server.model]
     # A version the run never published; a template the run did not start with.
     unknown = collect(*gathered, provenance=record.model_copy(update={"versions": {}}))
-    assert dict(unknown.refused) == {provenance.UNKNOWN_VERSION: 1}
+    assert dict(unknown.refused) == {checks.UNKNOWN_VERSION: 1}
     retemplated = collect(
         *gathered, provenance=record.model_copy(update={"template_fingerprint": "0" * 64})
     )
-    assert dict(retemplated.refused) == {provenance.TEMPLATE_MISMATCH: 2}
+    assert dict(retemplated.refused) == {checks.TEMPLATE_MISMATCH: 2}
     assert not retemplated.transitions
 
     # The analytics export holds why, and the iteration's metric counts the refused rollouts.
@@ -235,7 +242,7 @@ async def test_rollouts_that_disagree_with_the_runs_record_are_refused_and_count
     reasons = con.execute(
         "SELECT provenance_refused FROM episodes ORDER BY 1 NULLS LAST"
     ).fetchall()
-    assert reasons == [(provenance.ADAPTER_MISMATCH,), (None,)]
+    assert reasons == [(checks.ADAPTER_MISMATCH,), (None,)]
 
 
 def test_a_transition_without_recorded_provenance_is_not_refused():
@@ -250,5 +257,5 @@ def test_a_transition_without_recorded_provenance_is_not_refused():
     assert record.disagreement(t) is None
     assert (
         record.disagreement(t.model_copy(update={"adapter_hash": "b" * 64}))
-        == provenance.ADAPTER_MISMATCH
+        == checks.ADAPTER_MISMATCH
     )

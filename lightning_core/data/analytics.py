@@ -90,7 +90,7 @@ COLUMNS: tuple[Column, ...] = (
         pa.string(),
         True,
         "Why the rollout's calls were not trained on: another adapter or template answered "
-        "than the run served (provenance.py); NULL: not refused.",
+        "than the run served (data/provenance.py); NULL: not refused.",
     ),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)

@@ -22,7 +22,7 @@ from lightning_core.algo.advantages import Episode, Estimator, compute_advantage
 from lightning_core.algo.credit import CreditStrategy, assign_credit
 from lightning_core.data.adapter import AdapterConfig, spans_to_transitions
 from lightning_core.data.analytics import RolloutFacts
-from lightning_core.provenance import ProvenanceRecord, episode_disagreement
+from lightning_core.data.provenance import ProvenanceRecord, episode_disagreement
 from lightning_core.types import Rollout, RolloutStatus, Span, Transition
 
 
@@ -52,7 +52,7 @@ class Collected:
 
     transitions: list[Transition] = field(default_factory=list)
     facts: dict[str, RolloutFacts] = field(default_factory=dict)
-    # Rollouts refused for their provenance, by reason (provenance.py).
+    # Rollouts refused for their provenance, by reason (data/provenance.py).
     refused: Counter[str] = field(default_factory=Counter)
 
     @property

@@ -3,8 +3,8 @@
 A request's `model` names the base model, a loaded LoRA adapter, or a policy version registered
 in the store, whose adapter is then loaded on first use (or when it is published,
 `load_version`). Each adapter's files are hashed as they are loaded, and the tokenizer that
-renders prompts is fingerprinted once (provenance.py): every call's span carries both, so a run
-can tell which bytes and which template produced the tokens it trains on.
+renders prompts is fingerprinted once (security/provenance.py): every call's span carries
+both, so a run can tell which bytes and which template produced the tokens it trains on.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_core import provenance
+from lightning_core import semconv
 from lightning_core.errors import InvalidInput, NotFound
+from lightning_core.security import provenance
 from lightning_core.security.adapter_folder import check_adapter
 from lightning_core.types import PolicyVersion
 
@@ -100,11 +101,11 @@ class AdapterLoading:
 
     async def _load_adapter(self, version: PolicyVersion, folder: str) -> None:
         """Load `version`'s adapter from its checked `folder`, hashing the files first: the
-        hash every span of the version carries is that of the bytes loaded (provenance.py).
+        hash every span of the version carries is that of the bytes loaded (security/provenance.py).
         A hash its publisher declared (metadata `adapter_hash`) must match: a folder
         rewritten since training is refused (InvalidInput) rather than served under its name."""
         digest = await asyncio.to_thread(provenance.adapter_hash, folder)
-        declared = version.metadata.get(provenance.ADAPTER_HASH_KEY)
+        declared = version.metadata.get(semconv.ADAPTER_HASH_METADATA)
         if declared is not None and declared != digest:
             raise InvalidInput(
                 f"the adapter folder of policy version {version.name!r} no longer holds what "

@@ -42,8 +42,8 @@ class LLMCall:
     traceparent: str | None = None
     input_messages: Any = None
     output_messages: Any = None
-    # What answered (provenance.py): the adapter's content hash (None: the base model) and the
-    # fingerprint of the tokenizer and chat template.
+    # What answered (security/provenance.py): the adapter's content hash (None: the base
+    # model) and the fingerprint of the tokenizer and chat template.
     adapter_hash: str | None = None
     template_fingerprint: str | None = None
 

@@ -1,67 +1,26 @@
-"""Which policy produced a token: the served adapter's content hash and a fingerprint of the
-tokenizer and chat template, recorded on every LLM call's span and checked before training.
+"""Which policy produced the tokens a run trains on: the run's record, the check of each rollout
+against it, and the comparison behind the probe after each publish (docs/provenance.md).
 
-A policy version's name says which adapter a run meant to serve; it does not say which weights
-answered. A LoRA sync that silently stopped (the server kept the old weights under the new name)
-or a server restarted with another tokenizer or chat template still produces plausible spans.
-So the gateway hashes the adapter files it actually loads and fingerprints the tokenizer it
-actually renders with, each call's span carries both, and the run compares them with its own
-record (`ProvenanceRecord`): transitions that disagree are refused, and counted.
+A LoRA sync that silently stopped (the server kept the old weights under the new name) or a
+server restarted with another tokenizer or chat template still produces plausible spans. Each
+call's span names the adapter bytes and the template that answered (security/provenance.py);
+the run compares them with its own record (`ProvenanceRecord`): rollouts that disagree are
+refused, and counted.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, Field, FiniteFloat
 
-from lightning_core.security.adapter_folder import CONFIG_FILE, WEIGHTS_FILE
+from lightning_core.semconv import ADAPTER_HASH_METADATA
 from lightning_core.types import PolicyVersion, Transition
 
-# The files PEFT loads from an adapter folder: only they decide what the adapter computes.
-_HASHED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-_CHUNK = 1 << 20
-
-# The key of a policy version's metadata under which its publisher declares its adapter's hash.
-ADAPTER_HASH_KEY = "adapter_hash"
-
-# Why a transition was refused; the keys of the counts `refused` returns.
+# Why a transition was refused: the values of the analytics column `provenance_refused`.
 UNKNOWN_VERSION = "unknown_version"
 ADAPTER_MISMATCH = "adapter_mismatch"
 TEMPLATE_MISMATCH = "template_mismatch"
-
-
-def adapter_hash(folder: str | Path) -> str:
-    """sha256 (hex) of an adapter folder's config and weights, each with its name and length,
-    so that moving bytes between the files changes it too. Read in chunks: the weights can be
-    hundreds of MB."""
-    digest = hashlib.sha256()
-    for name in _HASHED_FILES:
-        path = Path(folder) / name
-        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
-        with path.open("rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def template_fingerprint(tokenizer: Any) -> str:
-    """sha256 (hex) of what turns messages into token ids: the chat template, the vocabulary
-    (token -> id) and the special tokens. Two tokenizers with the same fingerprint render and
-    encode every conversation alike."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    vocab = sorted(get_vocab().items(), key=lambda item: item[1]) if get_vocab else None
-    facts = {
-        "chat_template": getattr(tokenizer, "chat_template", None),
-        "vocab": vocab,
-        "special_tokens": getattr(tokenizer, "special_tokens_map", {}),
-    }
-    canonical = json.dumps(facts, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class ProvenanceConfig(BaseModel):
@@ -130,7 +89,7 @@ class ProvenanceRecord(BaseModel):
         template_fingerprint: str | None = None,
     ) -> ProvenanceRecord:
         """The record of a store's policy versions, as their publishers declared them."""
-        declared = {v.name: v.metadata.get(ADAPTER_HASH_KEY) for v in versions}
+        declared = {v.name: v.metadata.get(ADAPTER_HASH_METADATA) for v in versions}
         return cls(
             base_model=base_model,
             versions={name: str(h) if h is not None else None for name, h in declared.items()},
