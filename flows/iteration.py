@@ -41,7 +41,12 @@ from lightning_rl.registry.runs import log_metrics_once
 from lightning_rl.tasks.analysis import analyze_iteration
 from lightning_rl.tasks.provenance import probe_served_policy
 from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
-from lightning_rl.tasks.training import Update, publish_policy, update_policy
+from lightning_rl.tasks.training import (
+    Update,
+    publish_policy,
+    published_version,
+    update_policy,
+)
 
 
 def _cluster_runner(config: TrainConfig) -> Any:
@@ -233,10 +238,19 @@ def train_iteration(
         offline=config.data.offline if config.data.source == "episodes" else None,
     )
     offline = plan_batch(run.root) if config.data.source == "episodes" else None
-    trained = update_policy(update, collected.transitions, offline)
+    name = pipeline.PolicyRef(run=run.run_name, index=it).name()
+    if published_version(run.server_url, name, run.key_file) is None:
+        trained = update_policy(update, collected.transitions, offline)
+    else:
+        # A resumed run redoing an iteration whose policy an earlier attempt had published
+        # (killed after the publish): a published version never changes, its adapter's hash
+        # declared (docs/provenance.md), so the iteration keeps it rather than train another
+        # into its folder, which the server would then refuse to load.
+        get_run_logger().info("iteration %d: %s was published before the resume; kept", it, name)
+        trained = {}
     policy = publish_policy(
         run.server_url,
-        pipeline.PolicyRef(run=run.run_name, index=it).name(),
+        name,
         run.base_model,
         adapter_dir,
         it,

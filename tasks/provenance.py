@@ -41,7 +41,13 @@ def probe(server_url: str, key: str | None, model: str, config: ProvenanceConfig
         },
         timeout=PROBE_TIMEOUT_S,
     )
-    reply.raise_for_status()
+    if reply.status_code != 200:
+        # The server's own words (a version it cannot serve, a folder rewritten since it was
+        # published): the run stops with them rather than with a bare status.
+        raise PolicyNotServed(
+            f"the probe of policy version {model!r} was refused ({reply.status_code}): "
+            f"{reply.text[:2000]}"
+        )
     logprobs = reply.json()["choices"][0]["logprobs"]
     return ProbeAnswer(tokens=logprobs["tokens"], logprobs=logprobs["token_logprobs"])
 

@@ -26,7 +26,7 @@ from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.distributed import train_data_parallel
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.data.offline import OfflineBatch, OfflineConfig, choose_method, filtered
-from lightning_core.errors import Conflict
+from lightning_core.errors import Conflict, NotFound
 from lightning_core.security.provenance import adapter_hash
 from lightning_core.semconv import ADAPTER_HASH_METADATA
 from lightning_core.types import PolicyVersion, Transition
@@ -339,6 +339,21 @@ def _policy_versions(
         metadata={"iteration": iteration},
     )
     return [*own, together]
+
+
+def published_version(
+    server_url: str, name: str, key_file: str | None = None
+) -> PolicyVersion | None:
+    """Policy version `name` as the server's store holds it, or None: not published yet."""
+
+    async def read() -> PolicyVersion | None:
+        async with store_client(server_url, key_file) as store:
+            try:
+                return await store.get_policy_version(name)
+            except NotFound:
+                return None
+
+    return asyncio.run(read())
 
 
 @task(

@@ -378,12 +378,15 @@ async def test_a_store_made_before_finish_reasons_keeps_its_transitions_and_take
         await store.add_transitions([old])
     finally:
         await store.close()
-    # The table as a release before the column wrote it.
+    # The table as a release before the column wrote it: without it and the columns added since.
     with duckdb.connect(str(db)) as con:
-        con.execute("ALTER TABLE transitions DROP COLUMN finish_reason")
+        for column in ("finish_reason", "adapter_hash", "template_fingerprint"):
+            con.execute(f"ALTER TABLE transitions DROP COLUMN {column}")
     store = DuckDBStore(db=str(db))
     try:
-        new = old.model_copy(update={"step": 1, "finish_reason": "length"})
+        new = old.model_copy(
+            update={"step": 1, "finish_reason": "length", "adapter_hash": "a" * 64}
+        )
         await store.add_transitions([new])
         assert await store.query_transitions([rollout.rollout_id]) == [old, new]
     finally:
