@@ -215,7 +215,6 @@ def run_lightning(
     shape: WorkloadShape, runner_processes: int, port: int, prefill: int = 0
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
-    url = f"http://127.0.0.1:{port}"
     db = workdir / "bench.duckdb"
     if prefill:
         # A year of production traffic already in the store (store_scale.py's episodes).
@@ -225,6 +224,10 @@ def run_lightning(
         end = time.time()
         print(f"  prefilling the store with {prefill:,} production episodes ...", flush=True)
         fill(db, 0, prefill, end - 52 * WEEK_S, end)
+    # Port 0: a free one, picked only now, after the prefill's seconds, in which another
+    # process (a parallel test) could have taken one picked earlier.
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
     server = start_serve(db, port, "--backend", "none", timeout=1800)
     ctx = mp.get_context("spawn")
     processes = []
@@ -310,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.total, args.batch_size, args.runners, args.runner_processes = 32, 16, 4, 1
-        args.port, args.peer_port = free_port(), free_port()
+        args.port, args.peer_port = 0, free_port()  # 0: run_lightning picks it when it starts
         from benchmarks.peers import agentlightning
 
         if not args.skip_peer and not agentlightning.is_installed():

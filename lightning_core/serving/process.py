@@ -19,6 +19,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from lightning_core.errors import LightningError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -136,18 +138,38 @@ def wait_healthy(
 ) -> None:
     """Return once the server `proc` answers on `host`:`port`/health; `error` (the server's
     log tail in it, where it has a log file) when it exits first or does not answer in time,
-    killed then."""
+    killed then. An answer counts only once `proc` (or a process it started) listens on the
+    port: a free port can be taken by another process before `proc` binds it, and that
+    process's answer must not pass for this server's (seen under a parallel test run)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise error(f"{what} exited ({proc.returncode}): {_tail(proc)}")
         try:
             with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1):
-                return
+                if _listens(proc, port):
+                    return
+            time.sleep(0.1)
         except OSError:
             time.sleep(0.1)
     proc.kill()
     raise error(f"{what} did not answer within {timeout} s: {_tail(proc)}")
+
+
+def _listens(proc: subprocess.Popen, port: int) -> bool:
+    """Whether `proc` or one of its descendants listens on TCP `port`; True when the system
+    does not say (then the answer on the port is taken as this server's, as before)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        for p in [parent, *parent.children(recursive=True)]:
+            # net_connections since psutil 6; `connections` before it.
+            connections = getattr(p, "net_connections", None) or p.connections
+            for c in connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+                    return True
+    except psutil.Error:
+        return True
+    return False
 
 
 def stop_serve(proc: subprocess.Popen, timeout: float = 30.0) -> int:
