@@ -36,8 +36,9 @@ class AdapterLoading:
         _loading: asyncio.Lock
         _agent_policies: dict[str, dict[str, str]]
 
-    # Provenance of what answers: each loaded adapter's content hash, and the tokenizer's
-    # fingerprint once computed. Class defaults; a gateway's own are set when first written.
+    # Provenance of what answers: each loaded adapter's content hash (a dict of each
+    # gateway's own, made in Gateway.__init__), and the tokenizer's fingerprint once computed
+    # (a class default of None until then).
     _adapter_hashes: dict[str, str]
     _template_fingerprint: str | None = None
 
