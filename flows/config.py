@@ -25,6 +25,7 @@ from pydantic_core import to_jsonable_python
 from lightning_core.algo.config import LoRAConfig, TrainerConfig
 from lightning_core.data.collect import CreditConfig
 from lightning_core.data.provenance import ProvenanceConfig
+from lightning_core.judge.config import JudgeConfig
 from lightning_core.rollouts.curriculum import CurriculumConfig
 from lightning_core.serving.config import ServerConfig
 from lightning_core.types import Sampling
@@ -122,6 +123,11 @@ class TrainConfig(BaseModel):
         default_factory=ProvenanceConfig,
         description="Which policy produced the tokens trained on: the record each rollout is "
         "checked against, and the probe after each publish.",
+    )
+    judge: JudgeConfig = Field(
+        default_factory=JudgeConfig,
+        description="A judge model whose scores join the agent's reward (docs/judge.md); off "
+        "unless judge.endpoint is set.",
     )
 
     @model_validator(mode="before")

@@ -26,6 +26,7 @@ from lightning_core.rollouts.dynamic_sampling import sample_rounds
 from lightning_rl.flows import pipeline, progress, report
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.held_out import evaluate, evaluate_extra_splits, record_evaluation
+from lightning_rl.flows.judging import judge_setup, spend_metrics
 from lightning_rl.flows.profiles import AgentProfile, profile
 from lightning_rl.flows.redacted import flow
 from lightning_rl.flows.run_context import (
@@ -93,6 +94,7 @@ def _rollouts(
         agents=config.train_agents or agent.train_agents, air=air(agent, config)
     )
     credit_config = credit(config, agent)
+    judge = judge_setup(config, agent, run)
 
     def run_round(tasks: Sequence[Mapping[str, Any]], first_index: int) -> Collected:
         # Async tasks, submitted: their timeouts can cancel them, also on the producer's
@@ -132,6 +134,7 @@ def _rollouts(
             key_file=run.key_file,
             base_model=run.base_model if config.provenance.check_transitions else None,
             template_fingerprint=run.template_fingerprint,
+            judge=judge,
         ).result()
 
     return sample_rounds(
@@ -269,7 +272,7 @@ def train_iteration(
         ahead.published(it, policy)
         overlap["pipeline/producer_wait_s"] = ahead.producer_wait_s
     metrics = {"iteration": it, "policy": policy, **analysis["metrics"], **sampled}
-    metrics |= {**trained, **overlap}
+    metrics |= {**trained, **overlap, **spend_metrics(judge_setup(config, agent, run))}
     _record_iteration(run, checkpoint, metrics)
     evaluations, splits = checkpoint.evaluations, checkpoint.split_evaluations
     if it % config.evaluation.eval_every == 0 or it == config.iterations:

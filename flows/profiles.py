@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from lightning_core import semconv
 from lightning_core.algo.rewards import AIRRule
 from lightning_core.errors import InvalidInput
+from lightning_core.judge.config import JudgeBrief
 from lightning_core.rollouts.agent_ref import load_agent, parse_agent_ref
 
 
@@ -45,6 +46,11 @@ class AgentProfile(BaseModel):
     )
     tool_format: Literal["auto", "hermes", "line"] = Field(
         "line", description="How the gateway renders its tools for a model without a tool template."
+    )
+    judge: JudgeBrief | None = Field(
+        None,
+        description="What a judge checks in its trajectories (judge.endpoint turns a judge on); "
+        "None: the agent has no rubric, and a judge needs judge.rubric.",
     )
 
     def load_agent(self) -> Callable[..., Any]:
@@ -85,6 +91,11 @@ PROFILES: dict[str, AgentProfile] = {
         rollout_timeout_s=900.0,
         tool_format="auto",
         success_threshold=1.0,
+        judge=JudgeBrief(
+            rubric="The final SQL query answers the question exactly on the database: the "
+            "right tables, joins, filters and columns, no extra or missing rows.",
+            task_fields=["question", "db"],
+        ),
     ),
     "rag": AgentProfile(
         name="rag",
@@ -119,6 +130,13 @@ PROFILES: dict[str, AgentProfile] = {
         tool_format="line",
         # The reward is 0.1 * format + 0.9 * F1: at least 0.9 means the answer is right.
         success_threshold=0.9,
+        judge=JudgeBrief(
+            rubric="The final line gives ANSWER: followed by the correct short answer to the "
+            "question, and the search results shown support it.",
+            task_fields=["question"],
+            # F1 >= 0.9 in 0.1 * format + 0.9 * F1.
+            gold_threshold=0.91,
+        ),
     ),
 }
 

@@ -23,6 +23,7 @@ from lightning_rl.flows import data_plan, progress, report
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.gpu_slot import ensure_gpu_limit
 from lightning_rl.flows.held_out import evaluate, evaluate_extra_splits, record_evaluation
+from lightning_rl.flows.judging import check_judge
 from lightning_rl.flows.pipeline import PolicyRef
 from lightning_rl.flows.policy_server import PolicyServer, policy_server, store_client
 from lightning_rl.flows.profiles import AgentProfile, profile
@@ -152,6 +153,7 @@ def start_run(config: TrainConfig) -> Start | dict[str, Any]:
     new, the summary that says so (before any run folder or MLflow run exists)."""
     agent = profile(config.agent, config.tasks)
     policy_agents(config, agent)  # refused here, before any run folder or server
+    check_judge(config, agent)
     run_name = config.run_name or default_run_name(agent.name)
     # The saved config names its run, so `--resume` finds the same name.
     config = config.model_copy(update={"run_name": run_name})

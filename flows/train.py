@@ -4,6 +4,7 @@ module named beside it:
 
     start      data plan, run folder, new or resumed checkpoint        flows/run_start.py
     serve      store + OpenAI-compatible gateway + backend (a child process), MLflow run
+    calibrate  a judge (if any) against gold, refused below its bar    flows/judging.py
     evaluate   the base model on the held-out split (iteration 0)      flows/held_out.py
     each iteration k = 1..N, a subflow run `iteration-<k>`             flows/iteration.py
       rollouts   tasks drawn by the curriculum's tiers, G rollouts each on the current policy,
@@ -37,7 +38,7 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from lightning_rl.flows import run_end, run_start
+from lightning_rl.flows import judging, run_end, run_start
 from lightning_rl.flows.config import TrainConfig, train_config_parameters
 from lightning_rl.flows.iteration import rollouts_ahead, train_iteration
 from lightning_rl.flows.redacted import flow
@@ -54,6 +55,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     config = start.config
     with run_start.serve(start) as (run, server, mlflow_run_id):
         checkpoint = run_start.begin(start, run, mlflow_run_id)
+        judging.calibrate(config, start.agent, run, checkpoint)
         checkpoint = run_start.evaluate_start(start, run, checkpoint)
         view = run_end.IterationsView(start, checkpoint)
         with rollouts_ahead(config, run, checkpoint):

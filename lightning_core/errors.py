@@ -140,3 +140,9 @@ class PolicyNotServed(LightningError):
     every rollout after it would train on another policy's tokens (data/provenance.py)."""
 
     status_code = 503
+
+
+class BudgetSpent(LightningError):
+    """A run spent what its config allows of something it pays for (judge calls or tokens)."""
+
+    status_code = 429

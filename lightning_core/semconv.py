@@ -54,3 +54,13 @@ TOOL_SPAN = "lightning.tool"
 TOOL_NAME = "lightning.tool.name"
 TOOL_SUCCESS = "lightning.tool.success"
 OPERATION_SPAN_PREFIX = "lightning.operation"
+
+# A judge (lightning_core/judge): its calls name themselves with this agent name, and are never
+# trained on, wherever they are recorded; its verdict on a rollout is a span of its own.
+JUDGE_AGENT = "lightning-judge"
+JUDGE_SPAN = "lightning.judge"
+JUDGE_SCORE = "lightning.judge.score"
+JUDGE_MODEL = "lightning.judge.model"
+JUDGE_MODE = "lightning.judge.mode"
+JUDGE_CACHED = "lightning.judge.cached"
+JUDGE_ERROR = "lightning.judge.error"

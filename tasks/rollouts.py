@@ -12,11 +12,13 @@ from prefect.cache_policies import NO_CACHE
 from lightning_core.data.adapter import AdapterConfig
 from lightning_core.data.collect import Collected, CreditConfig, collect
 from lightning_core.data.provenance import ProvenanceRecord
+from lightning_core.errors import BudgetSpent
 from lightning_core.rollouts.agent_ref import load_agent
 from lightning_core.rollouts.runner import AttemptResult, Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, Sampling
 from lightning_rl.flows import progress
+from lightning_rl.flows.judge_setup import JudgeSetup, judge_collected
 from lightning_rl.flows.policy_server import store_client
 
 
@@ -138,11 +140,24 @@ async def run_rollouts(
         return {"succeeded": runner.stats.succeeded, "failed": runner.stats.failed}
 
 
+def _worth_retrying(task: Any, run: Any, state: Any) -> bool:
+    # A spent judge budget stays spent for the next try: fail at once with its advice.
+    try:
+        state.result()
+    except BudgetSpent:
+        return False
+    except Exception:
+        return True
+    return True
+
+
 @task(
     name="collect-transitions",
     retries=2,
     retry_delay_seconds=2,
-    timeout_seconds=600,
+    retry_condition_fn=_worth_retrying,
+    # A judge's calls are part of it: a hosted judge on a big round takes minutes.
+    timeout_seconds=3600,
     cache_policy=NO_CACHE,
 )
 async def collect_transitions(
@@ -153,11 +168,14 @@ async def collect_transitions(
     key_file: str | None = None,
     base_model: str | None = None,
     template_fingerprint: str | None = None,
+    judge: JudgeSetup | None = None,
 ) -> Collected:
     """Spans to transitions with LightningRL credit and group advantages, stored back. With
     `base_model` (the name the server serves it under), each rollout's calls are checked
     against the run's record (data/provenance.py): the adapter hashes the run's policy versions
-    declared when published, and `template_fingerprint`; a rollout that disagrees is refused."""
+    declared when published, and `template_fingerprint`; a rollout that disagrees is refused.
+    With `judge`, the judge scores each group first (docs/judge.md) and its combined reward is
+    each rollout's final one."""
     async with store_client(server_url, key_file) as store:
         rollouts = await store.query_rollouts(rollout_ids=rollout_ids)
         spans = await store.query_spans(rollout_ids, "latest")
@@ -165,7 +183,8 @@ async def collect_transitions(
         if base_model is not None:
             versions = await store.list_policy_versions()
             record = ProvenanceRecord.of(base_model, versions, template_fingerprint)
-        collected = collect(rollouts, spans, adapter, credit, record)
+        judged = await judge_collected(store, judge, rollout_ids) if judge is not None else None
+        collected = collect(rollouts, spans, adapter, credit, record, judged)
         if collected.transitions:
             await store.add_transitions(collected.transitions)
         return collected

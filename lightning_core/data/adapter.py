@@ -41,7 +41,12 @@ def _order(span: Span) -> tuple[float, int]:
 
 
 def _is_call(span: Span) -> bool:
-    return semconv.PROMPT_TOKEN_IDS in span.attributes
+    # A judge's own calls (lightning_core/judge) may be recorded beside the agent's, under
+    # the same rollout: they are never trained on.
+    return (
+        semconv.PROMPT_TOKEN_IDS in span.attributes
+        and span.attributes.get(semconv.AGENT_NAME) != semconv.JUDGE_AGENT
+    )
 
 
 def _constraint(attributes: dict) -> Constraint | None:
@@ -82,13 +87,18 @@ def _call_transitions(span: Span) -> list[Transition]:
 
 
 def spans_to_transitions(
-    spans: list[Span], rollout: Rollout | None = None, config: AdapterConfig | None = None
+    spans: list[Span],
+    rollout: Rollout | None = None,
+    config: AdapterConfig | None = None,
+    final: float | None = None,
 ) -> list[Transition]:
-    """The transitions of one attempt's spans (pass the spans of a single attempt)."""
+    """The transitions of one attempt's spans (pass the spans of a single attempt). `final`,
+    when given, is the episode's final reward in place of the one the spans hold (a judge's
+    combined with it)."""
     config = config or AdapterConfig()
     timeline = sorted(spans, key=_order)
     rewards = [s for s in timeline if s.name == semconv.REWARD_SPAN]
-    final = next(
+    last = next(
         (s for s in reversed(rewards) if s.attributes.get(semconv.REWARD_PRIMARY, True)), None
     )
 
@@ -106,7 +116,7 @@ def spans_to_transitions(
                 pending = 0.0
             transitions.extend(new)
             continue
-        if span is final:
+        if span is last:
             continue
         if span.name == semconv.REWARD_SPAN:
             gained = float(span.attributes.get(semconv.REWARD_VALUE, 0.0))
@@ -120,8 +130,10 @@ def spans_to_transitions(
             pending += gained
 
     final_value = (
-        float(final.attributes[semconv.REWARD_VALUE])
+        final
         if final is not None
+        else float(last.attributes[semconv.REWARD_VALUE])
+        if last is not None
         else (rollout.episode_return if rollout is not None else None)
     )
     if transitions:

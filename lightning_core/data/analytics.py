@@ -92,6 +92,13 @@ COLUMNS: tuple[Column, ...] = (
         "Why the rollout's calls were not trained on: another adapter or template answered "
         "than the run served (data/provenance.py); NULL: not refused.",
     ),
+    Column(
+        "judge_score",
+        "DOUBLE",
+        pa.float64(),
+        True,
+        "The judge's score of the rollout in [0, 1] (lightning_core/judge); NULL: not judged.",
+    ),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
 # The feedback export of a data=episodes run, in file order.
@@ -120,6 +127,7 @@ ROLLOUT_COLUMNS = (
     "tool_calls",
     "tool_errors",
     "provenance_refused",
+    "judge_score",
 )
 
 
@@ -144,6 +152,9 @@ class RolloutFacts(BaseModel):
     )
     provenance_refused: str | None = Field(
         None, description="Why its calls were refused for their provenance; None: they were not."
+    )
+    judge_score: FiniteFloat | None = Field(
+        None, description="The judge's score of the rollout; None: no judge scored it."
     )
 
     @model_validator(mode="after")
@@ -444,7 +455,8 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
             any_value(tool_calls) AS tool_calls,
             any_value(tool_errors) AS tool_errors,
             max(policy_version) AS policy_version,
-            any_value(provenance_refused) AS provenance_refused
+            any_value(provenance_refused) AS provenance_refused,
+            any_value(judge_score) AS judge_score
         FROM exported_rows
         GROUP BY iteration, rollout_id
         """
@@ -508,7 +520,8 @@ WITH ep AS (
         coalesce(sum(tool_errors)::DOUBLE / nullif(sum(tool_calls), 0), 0.0)
             AS "rollout/tool_error_rate",
         count(*)::DOUBLE AS "rollout/episodes",
-        count(provenance_refused)::DOUBLE AS "rollout/provenance_refused"
+        count(provenance_refused)::DOUBLE AS "rollout/provenance_refused",
+        avg(judge_score) AS "judge/score_mean"
     FROM episodes WHERE $iteration IS NULL OR iteration = $iteration
     GROUP BY iteration
 ), tr AS (
@@ -525,7 +538,7 @@ SELECT ep.iteration,
     "rollout/reward_mean", "rollout/reward_std", "rollout/success_rate",
     "rollout/actions_per_episode", "rollout/tokens_per_action",
     "rollout/prompt_tokens_per_action", "rollout/tool_error_rate", "rollout/episodes",
-    "rollout/provenance_refused",
+    "rollout/provenance_refused", "judge/score_mean",
     "credit/advantage_mean", "credit/advantage_abs_mean", "credit/zero_advantage_fraction"
 FROM ep LEFT JOIN tr USING (iteration)
 ORDER BY ep.iteration

@@ -47,12 +47,27 @@ class CreditConfig(BaseModel):
 
 
 @dataclass
+class Judged:
+    """A judge's say on an iteration's rollouts (lightning_core/judge): final rewards that
+    replace the agents' own, the judge's scores, and the rollouts it could not score."""
+
+    finals: dict[str, float] = field(default_factory=dict)
+    scores: dict[str, float] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+
+# Why a rollout gave no transitions although it ran: the judge could not score it.
+JUDGE_FAILED = "judge_failed"
+
+
+@dataclass
 class Collected:
     """An iteration's training data."""
 
     transitions: list[Transition] = field(default_factory=list)
     facts: dict[str, RolloutFacts] = field(default_factory=dict)
-    # Rollouts refused for their provenance, by reason (data/provenance.py).
+    # Rollouts refused for their provenance, by reason (data/provenance.py), or because the
+    # judge could not score them (JUDGE_FAILED).
     refused: Counter[str] = field(default_factory=Counter)
 
     @property
@@ -73,11 +88,13 @@ def collect(
     adapter: AdapterConfig | None = None,
     credit: CreditConfig | None = None,
     provenance: ProvenanceRecord | None = None,
+    judged: Judged | None = None,
 ) -> Collected:
     """Transitions (with advantages) and facts of finished rollouts, given the spans of their
     latest attempts. With `provenance`, a rollout any of whose calls disagrees with it (another
     adapter or template than the run served) gives no transitions: it is trained on by no
-    update and counted as refused, its facts naming why."""
+    update and counted as refused, its facts naming why. With `judged`, a rollout's final
+    reward is the judge's combined one, and one the judge failed on is not trained on."""
     credit = credit or CreditConfig()
     by_rollout: dict[str, list[Span]] = {}
     for span in spans:
@@ -90,13 +107,20 @@ def collect(
     for rollout in rollouts:
         mine = by_rollout.get(rollout.rollout_id, [])
         succeeded = rollout.status is RolloutStatus.succeeded
-        transitions = spans_to_transitions(mine, rollout, adapter) if succeeded else []
+        rid = rollout.rollout_id
+        rejudged = judged.finals.get(rid) if judged is not None else None
+        transitions = spans_to_transitions(mine, rollout, adapter, rejudged) if succeeded else []
         refused = episode_disagreement(transitions, provenance) if provenance else None
         if refused is not None:
             out.refused[refused] += 1
             transitions = []
+        elif transitions and judged is not None and rid in judged.failed:
+            out.refused[JUDGE_FAILED] += 1
+            transitions = []
         calls, errors = tool_counts(mine)
         final = rollout.episode_return if succeeded and rollout.episode_return is not None else 0.0
+        if succeeded and rejudged is not None:
+            final = rejudged
         out.facts[rollout.rollout_id] = RolloutFacts(
             group_id=rollout.group_id,
             task_id=rollout.task_id,
@@ -106,6 +130,7 @@ def collect(
             tool_errors=errors,
             policy_version=rollout.policy_version,
             provenance_refused=refused,
+            judge_score=judged.scores.get(rid) if judged is not None else None,
         )
         if not transitions:
             continue

@@ -1,0 +1,2 @@
+"""Judge rewards: a judge model scores or ranks a group's trajectories against a rubric
+(docs/judge.md)."""
