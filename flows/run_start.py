@@ -46,6 +46,7 @@ from lightning_rl.flows.run_state import (
     save_checkpoint,
     save_config,
 )
+from lightning_rl.flows.sft import check_sft, sft_warm_start
 from lightning_rl.registry.config import RegistryConfig, resolve
 from lightning_rl.registry.live import warm_start_alias
 from lightning_rl.registry.run_start import RunDataset, log_run_start
@@ -154,6 +155,7 @@ def start_run(config: TrainConfig) -> Start | dict[str, Any]:
     agent = profile(config.agent, config.tasks)
     policy_agents(config, agent)  # refused here, before any run folder or server
     check_judge(config, agent)
+    check_sft(config)
     run_name = config.run_name or default_run_name(agent.name)
     # The saved config names its run, so `--resume` finds the same name.
     config = config.model_copy(update={"run_name": run_name})
@@ -305,6 +307,8 @@ def _warm_start(
     log, registry = get_run_logger(), start.registry
     if start.config.warm_start == "base":
         return checkpoint, None
+    if start.config.warm_start == "sft":
+        return sft_warm_start(start.config, start.agent, run, checkpoint), None
     alias = warm_start_alias(registry, start.config.warm_start)
     found = champion_adapter(registry, alias, dst=Path(run.root) / "warm_start")
     if found is None:

@@ -141,3 +141,23 @@ class EvaluationConfig(BaseModel):
                 f"lowercase letters, digits and '_' (got {value})"
             )
         return value
+
+
+class SFTConfig(BaseModel):
+    """warm_start=sft: supervised fine-tuning on the base policy's successful episodes before
+    RL (rejection sampling; docs/pipeline.md)."""
+
+    tasks: int = Field(64, ge=1, description="Train tasks the base policy is sampled on.")
+    samples_per_task: int = Field(4, ge=1, le=64, description="Episodes sampled per task.")
+    min_reward: float | None = Field(
+        None,
+        description="An episode is kept when its reward is at least this; None: the profile's "
+        "success threshold.",
+    )
+    epochs: int = Field(2, ge=1, le=100, description="Passes over the kept calls.")
+    updates_per_epoch: int = Field(
+        4, ge=1, description="Optimizer steps per pass (the kept calls dealt into as many parts)."
+    )
+    learning_rate: float | None = Field(
+        None, gt=0, description="Its own learning rate; None: the trainer's."
+    )

@@ -13,7 +13,7 @@ from lightning_core.judge.calibration import Calibration, calibrate
 from lightning_core.types import RolloutStatus, Sampling
 from lightning_rl.flows.judge_setup import JudgeSetup, judge_collected
 from lightning_rl.flows.policy_server import store_client
-from lightning_rl.tasks.rollouts import plan_rollouts, run_rollouts
+from lightning_rl.tasks.rollouts import sample_episodes
 
 
 @task(
@@ -36,31 +36,24 @@ async def calibrate_judge(
     rollout_timeout_s: float,
     seed: int | None = None,
     key_file: str | None = None,
+    run_dir: str | None = None,
 ) -> Calibration:
     """The judge against gold: G rollouts of the starting policy on each of `tasks`, judged,
     each judge score paired with the agent's own reward."""
-    group_size = setup.config.calibration.group_size
-    ids = await plan_rollouts.fn(
+    ids = await sample_episodes(
         server_url,
+        agent,
         tasks,
-        group_size,
+        setup.config.calibration.group_size,
         policy_version,
         group_prefix,
         sampling,
-        max_attempts=2,
-        seed=seed,
-        iteration=0,
-        key_file=key_file,
-    )
-    await run_rollouts.fn(
-        worker=0,
-        server_url=server_url,
-        agent=agent,
-        rollout_ids=ids,
-        concurrency=concurrency,
-        rollout_timeout_s=rollout_timeout_s,
-        default_model=policy_version,
-        key_file=key_file,
+        concurrency,
+        rollout_timeout_s,
+        seed,
+        key_file,
+        run_dir,
+        "calibration",
     )
     async with store_client(server_url, key_file) as store:
         judged = await judge_collected(store, setup, ids)

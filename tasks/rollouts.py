@@ -101,6 +101,52 @@ async def plan_rollouts(
         return [r.rollout_id for r in await store.enqueue_rollouts(requests)]
 
 
+async def sample_episodes(
+    server_url: str,
+    agent: str,
+    tasks: Sequence[dict[str, Any]],
+    group_size: int,
+    policy_version: str,
+    group_prefix: str,
+    sampling: Sampling,
+    concurrency: int,
+    rollout_timeout_s: float,
+    seed: int | None = None,
+    key_file: str | None = None,
+    run_dir: str | None = None,
+    stage: str = "rollout",
+) -> list[str]:
+    """G rollouts of `policy_version` on each of `tasks`, queued and run here by one worker
+    outside any iteration (a judge's calibration, a supervised warm start's samples); the ids
+    of the finished rollouts. Each finished attempt is reported in the run folder's progress
+    under `stage`."""
+    ids = await plan_rollouts.fn(
+        server_url,
+        tasks,
+        group_size,
+        policy_version,
+        group_prefix,
+        sampling,
+        max_attempts=2,
+        seed=seed,
+        iteration=0,
+        key_file=key_file,
+    )
+    await run_rollouts.fn(
+        worker=0,
+        server_url=server_url,
+        agent=agent,
+        rollout_ids=ids,
+        concurrency=concurrency,
+        rollout_timeout_s=rollout_timeout_s,
+        default_model=policy_version,
+        run_dir=run_dir,
+        stage=stage,
+        key_file=key_file,
+    )
+    return ids
+
+
 @task(
     name="run-rollouts",
     retries=1,

@@ -113,3 +113,16 @@ def _train_answers(folder: Path, examples: list[tuple[list[int], str]], steps: i
             if out[0, len(prompt) :].tolist() != target:
                 raise RuntimeError(f"the tiny test model did not learn its answers (loss {loss})")
     model.save_pretrained(folder)
+
+
+def likeliest_replies(model_dir: Path, question: str, k: int = 20) -> list[tuple[float, str]]:
+    """The model's `k` likeliest one-token replies to `question` (as the gateway renders it),
+    with their probabilities, likeliest first."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompt = encode(tokenizer, render_chat(tokenizer, [{"role": "user", "content": question}]))
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+    top = torch.topk(probs, k)
+    texts = [tokenizer.decode([i], skip_special_tokens=True) for i in top.indices.tolist()]
+    return list(zip(top.values.tolist(), texts, strict=True))

@@ -86,6 +86,7 @@ def row(rollout: str, **overrides) -> dict:
         "policy_version": "v1",
         "prefix_break": None,
         "provenance_refused": None,
+        "judge_score": None,
     }
     return base | overrides
 

@@ -43,6 +43,7 @@ QUICK = (
     "shared_prefix",
     "grammar_engines",
     "sql_greedy",
+    "judge_agreement",
     "calc_gain",
     "rag_heldout",
     "overlap",
@@ -218,6 +219,14 @@ def test_sql_greedy_quick():
     # rows, failed): one row of counts per arm.
     outcomes = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", text, re.M)
     assert len(outcomes) == 2 and all(sum(map(int, o)) == 2 for o in outcomes), text
+
+
+def test_judge_agreement_quick():
+    text = run_benchmark("judge_agreement", "--quick", timeout=280)
+    [row] = table_rows(text, "rank")
+    # The tiny random model's 8 trajectories, judged in 2 group calls (one per task).
+    assert row[2] == "8" and row[7] == "2", text
+    assert float(figures(text)["judge_agreement_pct"]) >= 0, text
 
 
 # ---------------------------------------------------------------------------- a training run each

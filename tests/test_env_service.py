@@ -214,3 +214,61 @@ def test_an_unreachable_service_is_a_service_error_not_the_agents():
                 pass
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------- OpenEnv, both ways
+# openenv-core 0.3.0 itself (installed by `make setup-dev` without its UI dependencies): its own
+# client against our service, and our client against its own server, each hosting the SQL
+# environment written to its standard (agents/sql/openenv_env.py).
+
+
+def test_openenvs_own_client_drives_our_service_hosting_an_openenv_standard_environment():
+    from openenv.core import GenericEnvClient
+
+    from lightning_core.envs.openenv import from_openenv
+    from lightning_rl.agents.sql.openenv_env import SQLAction, SQLOpenEnv
+
+    [task] = load_tasks("train", 1)
+    app = create_env_app(from_openenv(SQLOpenEnv, SQLAction))
+    with ThreadedServer(app) as server:
+
+        async def run():
+            async with GenericEnvClient(base_url=server.url) as env:
+                first = await env.reset(db=task["db"], gold_sql=task["gold_sql"])
+                assert "tables" in first.observation and not first.done
+                made = await env.step({"sql": "CREATE TABLE scratch (x INTEGER)"})
+                assert made.observation["error"] is None
+                submitted = await env.step({"submit": task["gold_sql"]})
+                assert submitted.done and submitted.reward == 1.0
+                with pytest.raises(RuntimeError, match="not a SQLAction"):
+                    await env.step({"query": "SELECT 1"})
+
+        asyncio.run(run())
+        assert httpx.get(f"{server.url}/health").json()["sessions"] == 0
+
+
+def test_our_client_drives_openenvs_own_server():
+    from openenv.core.env_server import create_app as openenv_app
+
+    from lightning_rl.agents.sql.openenv_env import SQLAction, SQLObservation, SQLOpenEnv
+
+    [task] = load_tasks("train", 1)
+    app = openenv_app(SQLOpenEnv, SQLAction, SQLObservation, max_concurrent_envs=4)
+    with ThreadedServer(app) as server:
+
+        async def run():
+            async with (
+                OpenEnvSession.connect(server.url) as one,
+                OpenEnvSession.connect(server.url) as two,
+            ):
+                await one.reset(db=task["db"], gold_sql=task["gold_sql"])
+                await two.reset(db=task["db"])
+                await one.step({"sql": "CREATE TABLE scratch (x INTEGER)"})
+                # Sessions are isolated on OpenEnv's server too: the other copy has no table.
+                other = await two.step({"sql": "SELECT * FROM scratch"})
+                assert "no such table" in other.observation["error"]
+                done = await one.step({"submit": task["gold_sql"]})
+                assert done.done and done.reward == 1.0
+                assert (await one.state())["step_count"] == 2
+
+        asyncio.run(run())

@@ -272,6 +272,7 @@ def _rows(n: int, reward: float) -> list[dict[str, Any]]:
             "policy_version": f"run-v{i}",
             "prefix_break": None,  # each row is its agent's first call
             "provenance_refused": None,
+            "judge_score": None,
         }
         for i in range(n)
     ]

@@ -30,7 +30,12 @@ def test_lightning_core_imports_neither_prefect_nor_mlflow():
     assert done.stdout.strip() == ""
 
 
-AGENT_API = ("lightning_core.tracing", "lightning_core.envs.client", "lightning_core.envs.base")
+AGENT_API = (
+    "lightning_core.tracing",
+    "lightning_core.envs.client",
+    "lightning_core.envs.base",
+    "lightning_core.envs.openenv",
+)
 
 
 def test_agents_import_only_tracing_from_lightning_core():

@@ -17,19 +17,16 @@ from unittest import mock
 
 import duckdb
 import pytest
-import torch
 from mlflow import MlflowClient
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.data.collect import Collected
-from lightning_core.gateway.chat import encode, render_chat
 from lightning_core.types import Transition
 from lightning_rl.flows import pipeline
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.registry.config import RegistryConfig
 from tests import flow_agents
-from tests.models import scaled_tiny_model
+from tests.models import likeliest_replies, scaled_tiny_model
 
 
 def _batch(policy: str) -> pipeline.Batch:
@@ -139,18 +136,12 @@ def test_staleness_turns_truncated_importance_sampling_on_unless_set():
 def _bandit_target(model_dir) -> str:
     """The likeliest one-token reply the untrained model gives with p between 5 % and 35 %:
     the reward starts low and has room to rise."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    question = [{"role": "user", "content": flow_agents.BANDIT_QUESTION}]
-    prompt = encode(tokenizer, render_chat(tokenizer, question))
-    with torch.no_grad():
-        probs = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
-    top = torch.topk(probs, 20)
-    texts = [tokenizer.decode([i], skip_special_tokens=True) for i in top.indices.tolist()]
-    for p, text in zip(top.values.tolist(), texts, strict=True):
+    replies = likeliest_replies(model_dir, flow_agents.BANDIT_QUESTION)
+    texts = [text for _, text in replies]
+    for p, text in replies:
         if 0.05 <= p <= 0.35 and text.strip() and texts.count(text) == 1:
             return text
-    raise AssertionError(f"no token to target among {texts} ({top.values.tolist()})")
+    raise AssertionError(f"no token to target among {replies}")
 
 
 @pytest.mark.slow

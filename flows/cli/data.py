@@ -4,12 +4,35 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from lightning_core.errors import InvalidInput, LightningError
 from lightning_rl.flows.cli.app import app, fail
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+class OutputFormat(StrEnum):
+    """How `lightning-rl analyze` prints a result."""
+
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+def format_frame(frame: pd.DataFrame, fmt: OutputFormat = OutputFormat.table) -> str:
+    """A query result as text: an aligned table, CSV with a header, or a JSON array of rows."""
+    if fmt is OutputFormat.csv:
+        return frame.to_csv(index=False)
+    if fmt is OutputFormat.json:
+        return frame.to_json(orient="records") + "\n"
+    if frame.empty:
+        return "  ".join(map(str, frame.columns)) + "\n(0 rows)\n"
+    return frame.to_string(index=False) + "\n"
 
 
 @app.command()
@@ -79,7 +102,7 @@ def analyze(
     from lightning_core.data import analytics
 
     try:
-        fmt = analytics.OutputFormat(output_format)
+        fmt = OutputFormat(output_format)
     except ValueError:
         fail(LightningError(f"unknown --format {output_format!r}; use table, csv or json"))
     run = Path(root)
@@ -101,7 +124,7 @@ def analyze(
             con.close()
     except LightningError as exc:
         fail(exc)
-    typer.echo(analytics.format_frame(frame, fmt), nl=False)
+    typer.echo(format_frame(frame, fmt), nl=False)
 
 
 data_app = typer.Typer(

@@ -8,6 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Stages that count finished rollouts toward a total, and how the view names them.
+COUNTED = {
+    "rollout": "rollouts",
+    "eval": "evaluation",
+    "calibration": "judge calibration",
+    "sft": "warm-start samples",
+}
+
 
 class LiveView:
     """Follows a run folder's progress.jsonl and renders where the run is."""
@@ -30,7 +38,7 @@ class LiveView:
         events, self.offset = progress.read(self.run_dir, self.offset)
         for e in events:
             stage = e["stage"]
-            if stage in ("rollout", "eval"):
+            if stage in COUNTED:
                 if stage != self.stage:
                     self.stage, self.done = stage, 0
                 self.done += 1
@@ -54,10 +62,8 @@ class LiveView:
 
         minutes = (time.time() - self.started) / 60
         where = self.stage
-        if self.stage in ("rollout", "eval") and self.total:
-            where = (
-                f"{'evaluation' if self.stage == 'eval' else 'rollouts'} {self.done}/{self.total}"
-            )
+        if self.stage in COUNTED and self.total:
+            where = f"{COUNTED[self.stage]} {self.done}/{self.total}"
         head = Text(
             f"iteration {self.iteration}/{self.iterations} | {where} | {minutes:.1f} min",
             style="bold",

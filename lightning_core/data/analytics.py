@@ -28,7 +28,6 @@ import errno
 import re
 import shutil
 from collections.abc import Iterable, Mapping
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -546,8 +545,11 @@ ORDER BY ep.iteration
 
 
 def history(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    """The metrics of every exported iteration, one row each in order (a reward curve)."""
-    return con.execute(_METRICS_SQL, {"iteration": None}).df()
+    """The metrics of every exported iteration, one row each in order (a reward curve); a
+    judge's columns only where a judge scored some iteration."""
+    frame = con.execute(_METRICS_SQL, {"iteration": None}).df()
+    unjudged = [c for c in frame if c.startswith("judge/") and frame[c].isna().all()]
+    return frame.drop(columns=unjudged)
 
 
 def iteration_metrics(con: duckdb.DuckDBPyConnection, iteration: int) -> dict[str, float]:
@@ -563,7 +565,12 @@ def iteration_metrics(con: duckdb.DuckDBPyConnection, iteration: int) -> dict[st
             f"{', '.join(str(i) for (i,) in exported) or 'none yet'}"
         )
     row = frame.drop(columns="iteration").iloc[0]
-    return {name: float(value) for name, value in row.items()}
+    # A judge's metrics exist only in an iteration a judge scored.
+    return {
+        name: float(value)
+        for name, value in row.items()
+        if not (name.startswith("judge/") and pd.isna(value))
+    }
 
 
 def agent_breakdown(con: duckdb.DuckDBPyConnection, iteration: int) -> pd.DataFrame:
@@ -581,20 +588,3 @@ def agent_breakdown(con: duckdb.DuckDBPyConnection, iteration: int) -> pd.DataFr
         """,
         {"iteration": iteration},
     ).df()
-
-
-class OutputFormat(StrEnum):
-    table = "table"
-    csv = "csv"
-    json = "json"
-
-
-def format_frame(frame: pd.DataFrame, fmt: OutputFormat = OutputFormat.table) -> str:
-    """A query result as text: an aligned table, CSV with a header, or a JSON array of rows."""
-    if fmt is OutputFormat.csv:
-        return frame.to_csv(index=False)
-    if fmt is OutputFormat.json:
-        return frame.to_json(orient="records") + "\n"
-    if frame.empty:
-        return "  ".join(map(str, frame.columns)) + "\n(0 rows)\n"
-    return frame.to_string(index=False) + "\n"

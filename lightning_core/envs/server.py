@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 
 from lightning_core.envs.base import EnvironmentFactory, StepOutcome
 from lightning_core.envs.config import EnvServiceConfig
-from lightning_core.envs.sessions import Sessions, check_json
+from lightning_core.envs.sessions import Sessions, parse_json
 from lightning_core.errors import InvalidInput, LightningError, Unauthorized
 from lightning_core.security.keys import key_check
 
@@ -82,7 +82,7 @@ def create_env_app(
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_request_bytes:
             raise InvalidInput(f"the request declares {declared} bytes, over the limit")
-        return check_json(await request.body(), config.max_request_bytes)
+        return await parse_json(await request.body(), config.max_request_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -126,7 +126,7 @@ def create_env_app(
             while True:
                 raw = await socket.receive_text()
                 try:
-                    message = check_json(raw.encode(), config.max_request_bytes)
+                    message = await parse_json(raw.encode(), config.max_request_bytes)
                     kind = message.get("type") if isinstance(message, dict) else None
                     data = message.get("data") or {} if isinstance(message, dict) else {}
                     if kind == "close":

@@ -104,6 +104,14 @@ class Sessions:
         self.open[session.session_id] = session  # holds the slot while the env starts
         try:
             session.env = await self._run(None, self.factory)
+        except LightningError:
+            self.open.pop(session.session_id, None)
+            raise
+        except Exception as exc:
+            self.open.pop(session.session_id, None)
+            raise EnvFailed(
+                f"the environment could not start: {type(exc).__name__}: {str(exc)[:500]}"
+            ) from None
         except BaseException:
             self.open.pop(session.session_id, None)
             raise
@@ -190,6 +198,10 @@ def _quietly(close: Callable[[], None]) -> None:
         close()
 
 
+# Bodies past this are parsed on a worker thread, off the event loop that serves every session.
+PARSE_INLINE_BYTES = 64 * 1024
+
+
 def check_json(body: bytes, limit: int) -> Any:
     """A request body, bounded in size before it is parsed."""
     if len(body) > limit:
@@ -198,3 +210,10 @@ def check_json(body: bytes, limit: int) -> Any:
         return orjson.loads(body) if body else {}
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"the request is not JSON: {exc}") from None
+
+
+async def parse_json(body: bytes, limit: int) -> Any:
+    """check_json, on a worker thread for a big body."""
+    if len(body) <= PARSE_INLINE_BYTES:
+        return check_json(body, limit)
+    return await asyncio.to_thread(check_json, body, limit)
