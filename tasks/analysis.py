@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from lightning_core.data import analytics
 from lightning_core.data.collect import Collected
 from lightning_core.errors import DiskFull
+from lightning_rl.flows.retries import retry_unless
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:
@@ -20,23 +21,13 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not math.isnan(v)}
 
 
-def _worth_retrying(task: Any, run: Any, state: Any) -> bool:
-    # A full disk stays full for the next try: fail at once with DiskFull's advice.
-    try:
-        state.result()
-    except DiskFull:
-        return False
-    except Exception:
-        return True
-    return True
-
-
 # Retries are safe: re-exporting an iteration replaces its file whole.
 @task(
     name="analyze-iteration",
     retries=2,
     retry_delay_seconds=2,
-    retry_condition_fn=_worth_retrying,
+    # A full disk stays full for the next try: fail at once with DiskFull's advice.
+    retry_condition_fn=retry_unless(DiskFull),
     timeout_seconds=600,
     cache_policy=NO_CACHE,
 )

@@ -20,6 +20,7 @@ from lightning_core.types import RolloutRequest, Sampling
 from lightning_rl.flows import progress
 from lightning_rl.flows.judge_setup import JudgeSetup, judge_collected
 from lightning_rl.flows.policy_server import store_client
+from lightning_rl.flows.retries import retry_unless
 
 
 def make_runner(
@@ -186,22 +187,12 @@ async def run_rollouts(
         return {"succeeded": runner.stats.succeeded, "failed": runner.stats.failed}
 
 
-def _worth_retrying(task: Any, run: Any, state: Any) -> bool:
-    # A spent judge budget stays spent for the next try: fail at once with its advice.
-    try:
-        state.result()
-    except BudgetSpent:
-        return False
-    except Exception:
-        return True
-    return True
-
-
 @task(
     name="collect-transitions",
     retries=2,
     retry_delay_seconds=2,
-    retry_condition_fn=_worth_retrying,
+    # A spent judge budget stays spent for the next try: fail at once with its advice.
+    retry_condition_fn=retry_unless(BudgetSpent),
     # A judge's calls are part of it: a hosted judge on a big round takes minutes.
     timeout_seconds=3600,
     cache_policy=NO_CACHE,

@@ -34,7 +34,7 @@ class AdapterConfig(BaseModel):
     )
 
 
-def _order(span: Span) -> tuple[float, int]:
+def timeline_order(span: Span) -> tuple[float, int]:
     # An LLM call's span ends when its answer is sent, which is before anything the agent does
     # with the answer; ties (same clock tick) fall back to arrival order.
     return (span.end_time or span.start_time, span.sequence_id or 0)
@@ -96,7 +96,7 @@ def spans_to_transitions(
     when given, is the episode's final reward in place of the one the spans hold (a judge's
     combined with it)."""
     config = config or AdapterConfig()
-    timeline = sorted(spans, key=_order)
+    timeline = sorted(spans, key=timeline_order)
     rewards = [s for s in timeline if s.name == semconv.REWARD_SPAN]
     last = next(
         (s for s in reversed(rewards) if s.attributes.get(semconv.REWARD_PRIMARY, True)), None

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from lightning_core import semconv
+from lightning_core.data.adapter import timeline_order
 from lightning_core.types import Span
 
 _ELIDED = "\n[...]\n"
@@ -88,7 +89,7 @@ def render(spans: Sequence[Span], limit: int) -> str | None:
     ]
     if not calls:
         return None
-    last = max(calls, key=lambda s: (s.end_time or s.start_time, s.sequence_id or 0))
+    last = max(calls, key=timeline_order)
     prompt = _messages(last, "gen_ai.input.messages")
     users = [i for i, m in enumerate(prompt) if isinstance(m, Mapping) and m.get("role") == "user"]
     shown = prompt[users[-1] :] if users else prompt[-1:]
