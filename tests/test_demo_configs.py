@@ -37,6 +37,11 @@ def test_shipped_config_is_a_valid_train_config(path: Path) -> None:
 
 def test_the_demo_configs_named_in_the_makefile_exist() -> None:
     makefile = (ROOT / "Makefile").read_text()
-    for name in ("flows/demos/sql.json", "flows/demos/rag.json", "benchmarks/ablation_sql.json"):
+    for name in (
+        "flows/demos/sql.json",
+        "flows/demos/sql_sft.json",
+        "flows/demos/rag.json",
+        "benchmarks/ablation_sql.json",
+    ):
         assert name in makefile
         assert (ROOT / name).is_file()
