@@ -154,9 +154,16 @@ def test_the_judges_calls_are_never_trained_on_even_when_recorded_on_the_rollout
     # call, token ids and all, among the agent's spans.
     on_rollout = f"{policy.url}/rollouts/{spans[0].rollout_id}/attempts/{attempt}/v1"
     config = JudgeConfig(endpoint="server", mode="rank", rule_weight=0.0)
-    judge = _judge(policy, config, JudgeCache(), on_rollout)
+    cache = JudgeCache()
+    judge = _judge(policy, config, cache, on_rollout)
     judged, recorded = asyncio.run(_judged(judge, policy, ids))
     asyncio.run(_store_spans(policy, recorded))
+    # A collect task retried after it stored them judges again (the cache answers) and stores
+    # the judge's spans again: the same ids, so they are read back once.
+    again, repeated = asyncio.run(_judged(_judge(policy, config, cache), policy, ids))
+    assert again.scores == judged.scores and cache.spent().hits == 1
+    assert sorted(s.span_id for s in repeated) == sorted(s.span_id for s in recorded)
+    asyncio.run(_store_spans(policy, repeated))
     rollouts, spans = asyncio.run(_finished(policy, ids))
     judge_calls = [s for s in spans if s.attributes.get(semconv.AGENT_NAME) == "lightning-judge"]
     assert len(judge_calls) == 1 and semconv.PROMPT_TOKEN_IDS in judge_calls[0].attributes

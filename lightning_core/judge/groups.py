@@ -11,7 +11,7 @@ score and what the judge was (model, mode, whether the cache answered), for read
 from __future__ import annotations
 
 import asyncio
-import random
+import hashlib
 import time
 from collections.abc import Sequence
 
@@ -21,7 +21,12 @@ from lightning_core.judge.client import Judge, Judgement
 from lightning_core.judge.transcript import render, task_text
 from lightning_core.types import Rollout, RolloutStatus, Span
 
-_rng = random.SystemRandom()
+
+def judge_span_id(attempt_id: str) -> str:
+    """The judge span's id, the same each time an attempt is judged: a collect task retried
+    after it stored the spans stores them again, and the store reads an attempt's spans back
+    once per (trace, span id)."""
+    return hashlib.sha256(f"{semconv.JUDGE_SPAN}:{attempt_id}".encode()).hexdigest()[:16]
 
 
 def judge_span(rollout: Rollout, spans: Sequence[Span], judge: Judge, verdict: Judgement) -> Span:
@@ -42,7 +47,7 @@ def judge_span(rollout: Rollout, spans: Sequence[Span], judge: Judge, verdict: J
         rollout_id=rollout.rollout_id,
         attempt_id=first.attempt_id,
         trace_id=first.trace_id,
-        span_id=f"{_rng.getrandbits(64):016x}",
+        span_id=judge_span_id(first.attempt_id),
         name=semconv.JUDGE_SPAN,
         start_time=now,
         end_time=now,
