@@ -53,21 +53,25 @@ def _run(parser: argparse.ArgumentParser, run: Path) -> tuple[TrainConfig, Check
     return config, checkpoint, json.loads(summary.read_text())
 
 
-def _ends(checkpoint: Checkpoint, split: str) -> tuple[Evaluation, Evaluation]:
+def _ends(
+    parser: argparse.ArgumentParser, checkpoint: Checkpoint, split: str
+) -> tuple[Evaluation, Evaluation]:
     evals = checkpoint.evaluations if split == "test" else checkpoint.split_evaluations.get(split)
     if not evals or len(evals) < 2:
-        raise SystemExit(f"a run holds fewer than two evaluations of split {split!r}")
+        parser.error(f"a run holds fewer than two evaluations of split {split!r}")
     return evals[0], evals[-1]
 
 
-def outcomes(sft_run: Path, rl_run: Path, split: str) -> tuple[list[dict], dict, dict, dict]:
+def outcomes(
+    parser: argparse.ArgumentParser, sft_run: Path, rl_run: Path, split: str
+) -> tuple[list[dict], dict, dict, dict]:
     """Per held-out task: its tier and each column's success (0/1); and both summaries."""
-    parser = argparse.ArgumentParser()
     sft_config, sft_point, sft_summary = _run(parser, sft_run)
     _, rl_point, rl_summary = _run(parser, rl_run)
     if sft_config.warm_start != "sft":
         parser.error(f"{sft_run} did not start with warm_start=sft")
-    (v0, sft_final), (base, rl_final) = _ends(sft_point, split), _ends(rl_point, split)
+    v0, sft_final = _ends(parser, sft_point, split)
+    base, rl_final = _ends(parser, rl_point, split)
     if v0.result.benchmark_id != base.result.benchmark_id:
         parser.error("the two runs scored different benchmarks (benchmark ids differ)")
     agent = profile(sft_config.agent, sft_config.tasks)
@@ -139,15 +143,15 @@ def main(argv: list[str] | None = None) -> None:
             flags = ("--warm-start", "sft", "--sft", sft)
             sft_run = train_quick("calc", Path(tmp), "sft-quick", *flags)
             rl_run = train_quick("calc", Path(tmp), "rl-quick")
-            report(sft_run, rl_run, args.split)
+            report(parser, sft_run, rl_run, args.split)
         return
     if args.sft_run is None or args.rl_run is None:
         parser.error("name the warm-started run and the RL-alone run (or --quick)")
-    report(args.sft_run, args.rl_run, args.split)
+    report(parser, args.sft_run, args.rl_run, args.split)
 
 
-def report(sft_run: Path, rl_run: Path, split: str) -> None:
-    rows, sft_summary, rl_summary, names = outcomes(sft_run, rl_run, split)
+def report(parser: argparse.ArgumentParser, sft_run: Path, rl_run: Path, split: str) -> None:
+    rows, sft_summary, rl_summary, names = outcomes(parser, sft_run, rl_run, split)
     print(
         f"{len(rows)} held-out tasks of split {split}; "
         + ", ".join(f"{k} = {v}" for k, v in names.items())

@@ -104,17 +104,13 @@ class Sessions:
         self.open[session.session_id] = session  # holds the slot while the env starts
         try:
             session.env = await self._run(None, self.factory)
-        except LightningError:
-            self.open.pop(session.session_id, None)
-            raise
-        except Exception as exc:
-            self.open.pop(session.session_id, None)
+        except BaseException as exc:
+            self.open.pop(session.session_id, None)  # whatever stopped the start frees the slot
+            if isinstance(exc, LightningError) or not isinstance(exc, Exception):
+                raise
             raise EnvFailed(
                 f"the environment could not start: {type(exc).__name__}: {str(exc)[:500]}"
             ) from None
-        except BaseException:
-            self.open.pop(session.session_id, None)
-            raise
         try:
             outcome = await self._call(session, session.env.reset, task, seed)
         except ActionRefused as exc:  # a task the environment cannot begin: no session
