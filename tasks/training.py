@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from lightning_core.algo import frozen
 from lightning_core.algo.config import TrainerConfig
 from lightning_core.algo.distributed import train_data_parallel
+from lightning_core.algo.prefix import call_key
 from lightning_core.algo.trainer import LoRATrainer, agent_adapter_dirs
 from lightning_core.data.offline import OfflineBatch, OfflineConfig, choose_method, filtered
 from lightning_core.errors import Conflict, NotFound
@@ -80,10 +81,11 @@ def save_adapter(trainer: LoRATrainer, adapter_dir: str) -> None:
 
 def split_updates(batch: Sequence[Transition], updates: int, seed: int) -> list[list[Transition]]:
     """The batch shuffled by `seed` and dealt into `updates` parts (fewer when the batch is
-    smaller), one optimizer update each; none for an empty batch."""
+    smaller), one optimizer update each; none for an empty batch. The same calls make the
+    same parts whatever order and rollout ids they come with (prefix.call_key)."""
     if not batch:
         return []
-    shuffled = list(batch)
+    shuffled = sorted(batch, key=call_key)
     random.Random(seed).shuffle(shuffled)
     parts = max(1, min(updates, len(shuffled)))
     return [shuffled[i::parts] for i in range(parts)]

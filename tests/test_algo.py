@@ -85,6 +85,17 @@ def test_groups_are_independent_and_all_equal_groups_give_zero_never_nan():
             assert adv[3][0] > 0 > adv[4][0]
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
+def test_a_groups_rollouts_in_any_order_get_the_same_advantages_to_the_last_bit(estimator):
+    # A group's rollouts come back in the order of their random ids. Summed left to right,
+    # these returns give a mean whose last bit depends on the order.
+    returns = [0.61, 0.61, 0.58, 0.16]
+    batch = [Episode("g", r, [r]) for r in returns]
+    forward = compute_advantages(batch, estimator, normalize_std=True)
+    backward = compute_advantages(batch[::-1], estimator, normalize_std=True)[::-1]
+    assert forward == backward
+
+
 def test_reinforce_plus_plus_normalises_over_the_batch():
     batch = [Episode("a", 1.0, [1.0, 3.0]), Episode("b", 0.0, [0.0, 0.0])]
     # returns 1, 3, 0, 0: mean 1, std sqrt((0 + 4 + 1 + 1) / 4) = sqrt(1.5)

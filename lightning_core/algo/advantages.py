@@ -34,13 +34,16 @@ class Episode:
     action_returns: list[float]
 
 
+# Sums are math.fsum's, correctly rounded: the same returns in any order (a group's rollouts
+# come back in the order of their random ids) give the same advantages to the last bit, so a
+# resumed run or a rerun with the same seed trains on the same numbers.
 def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs)
+    return math.fsum(xs) / len(xs)
 
 
 def _std(xs: Sequence[float]) -> float:
     m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / len(xs))
 
 
 def compute_advantages(
@@ -70,7 +73,7 @@ def compute_advantages(
             for i in members:
                 out[i] = [0.0] * len(episodes[i].action_returns)
             continue
-        total = sum(returns)
+        total = math.fsum(returns)
         for i in members:
             if estimator == "grpo":
                 baseline = total / len(members)

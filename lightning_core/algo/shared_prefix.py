@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_core.algo.prefix import row_length
+from lightning_core.algo.prefix import content_key, row_length
 from lightning_core.backends.transformers_backend.kv_cache import common_length
 from lightning_core.models import cache_argument
 from lightning_core.types import Transition
@@ -43,8 +43,9 @@ Row = Sequence[Transition]
 def order_key(row: Row) -> tuple[Any, ...]:
     """Rows sorted by this put equal first prompts (a group's rows) next to each other and,
     across tasks, prompts that begin alike; shorter rows first within a prompt (less padding);
-    ties by call, so the same transitions always make the same micro-batches."""
-    return (tuple(row[0].prompt_token_ids), row_length(row), row[-1].rollout_id, row[-1].step)
+    ties by content (prefix.content_key), so the same transitions make the same micro-batches
+    whatever their rollout ids."""
+    return (tuple(row[0].prompt_token_ids), row_length(row), content_key(row))
 
 
 def shared_length(rows: Sequence[Row]) -> int:

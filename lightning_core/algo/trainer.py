@@ -40,7 +40,13 @@ from lightning_core.algo.losses import (
     policy_loss,
     sequence_weights,
 )
-from lightning_core.algo.prefix import merge_rows, pack_by_length, prefix_breaks, row_length
+from lightning_core.algo.prefix import (
+    length_key,
+    merge_rows,
+    pack_by_length,
+    prefix_breaks,
+    row_length,
+)
 from lightning_core.algo.shared_prefix import (
     forward_shared,
     forward_tokens,
@@ -182,16 +188,14 @@ class LoRATrainer:
 
     def _rows(self, transitions: Sequence[Transition], merge: bool) -> list[list[Transition]]:
         """The transitions as rows of one forward pass each, shortest first (similar lengths
-        together: less padding; the order does not change the summed gradient): chains of
+        together: less padding), ties by content, never by rollout id: chains of
         calls that extend each other when `merge`, else one call per row. A row longer than
         micro_batch_tokens gets a micro-batch of its own (_micro_batches)."""
         rows = merge_rows(transitions) if merge else [[t] for t in transitions]
         if self._sharing():
             # Rows of one prompt together, so that a micro-batch computes it once.
             return sorted(rows, key=order_key)
-        # Ties by call: the same transitions in any order make the same micro-batches, whose
-        # frozen activations a later epoch finds again.
-        return sorted(rows, key=lambda row: (row_length(row), row[-1].rollout_id, row[-1].step))
+        return sorted(rows, key=length_key)
 
     def _sharing(self) -> bool:
         """Whether micro-batches compute their rows' shared prefix once (shared_prefix.py):
