@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from benchmarks.quick_train import train_quick  # noqa: E402
+from lightning_core.rollouts.curriculum import tier_of  # noqa: E402
 from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
 from lightning_core.stats.evaluation import wilson_interval  # noqa: E402
 from lightning_rl.flows.config import TrainConfig  # noqa: E402
@@ -76,12 +77,12 @@ def outcomes(
         parser.error("the two runs scored different benchmarks (benchmark ids differ)")
     agent = profile(sft_config.agent, sft_config.tasks)
     threshold = credit(sft_config, agent).success_threshold or 1.0
-    key = sft_config.curriculum.tier_key or "tier"
     ends = dict(zip(COLUMNS, (base, v0, sft_final, rl_final), strict=True))
     rows = []
     for task in heldout_tasks(sft_config, split):
         tid = str(task["id"])
-        row = {"tier": str(task.get(key, "all"))}
+        # Tiered as the flow's own comparison tiers them (untiered tasks: "all" alone).
+        row = {"tier": tier_of(task, sft_config.curriculum.tier_key)}
         for name, evaluation in ends.items():
             if tid not in evaluation.rewards:
                 parser.error(f"task {tid} has no outcome in the {name} evaluation")
