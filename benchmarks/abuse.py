@@ -15,15 +15,26 @@ workload runs twice:
    - idle connections: up to 1,000 sockets that open and never send a byte, and slowloris
      clients that send a header line every few seconds;
    - disconnects mid-body: 20 MB declared, 10 MB sent, then closed;
-   - long polls: /store/wait on 10,000 copies of one id, 30 s each, 16 at a time.
+   - long polls: /store/wait on 10,000 copies of one id, 30 s each, 16 at a time;
+   - rewards out of range: a reward span of 1e200 on an attempt the attacker claimed;
+   - span floods: 4,000-span requests on that attempt, past its quota
+     (LIGHTNING_MAX_SPANS_PER_ATTEMPT);
+   - feedback out of range: 1e200 on an episode, then GET /serving/routing (both answers);
+   - feedback sources: a new source on one episode each time, past LIGHTNING_MAX_FEEDBACK_SOURCES;
+   - episode floods: new production episodes, with 60 KiB of metadata each and with none, past
+     the server's bounds on labels and live episodes in memory (set low here, EPISODE_LIMITS,
+     so that both are reached within the run; the well-behaved workload opens no episode).
+3. a training run whose agents attack it with their own agent keys (benchmarks/abuse_training.py):
+   it must finish (`training_run_stopped_by_agent`, goal 0) and train on no forged call.
 
 What the hostile requests get back is counted but not judged (a 400 or 413 is the right answer
 to most of them); what is judged is the good workload: every one of its requests must succeed
 (`abuse_good_request_failures`, goal 0) and /health must stay fast (`abuse_health_p99_ms`, goal
-at most 100).
+at most 100). The server's memory after the attack is printed too (`abuse_server_rss_mb`).
 
     python benchmarks/abuse.py                     # 30 s alone, then 60 s beside the hostile mix
     python benchmarks/abuse.py --seconds 10 --baseline 5    # a quick look
+    python benchmarks/abuse.py --no-training       # without the training run
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import socket
@@ -47,14 +59,20 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+import orjson  # noqa: E402
+import psutil  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
 )
 
+from benchmarks.abuse_training import hostile_training  # noqa: E402
+from benchmarks.abuse_training import report as training_report  # noqa: E402
 from benchmarks.soak import Client, Tally, _pct  # noqa: E402
 from lightning_core import semconv  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
 from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
+from lightning_core.store.client import HttpStoreClient  # noqa: E402
+from lightning_core.types import RolloutRequest  # noqa: E402
 
 GOOD_CLIENTS = 8
 HEALTH_EVERY_S = 0.02
@@ -64,6 +82,14 @@ GRAMMAR_ALTERNATIVES = (2_100, 50_000)
 IDLE_SOCKETS = 1_000
 CUT_DECLARED, CUT_SENT = 20 * 2**20, 10 * 2**20
 LONG_POLLS, LONG_POLL_IDS = 16, 10_000
+FLOOD_SPANS = 4_000
+EPISODE_METADATA_BYTES = 60 * 1024
+# The abuse server's bounds on production episodes in memory: low, so that the flood reaches
+# them in a minute (the defaults, 1,000,000 and 1 GiB, are a year of traffic).
+EPISODE_LIMITS = {
+    "LIGHTNING_MAX_LIVE_EPISODES": "300",
+    "LIGHTNING_MAX_EPISODE_METADATA_BYTES": str(4 * 2**20),
+}
 
 
 @dataclass
@@ -95,8 +121,15 @@ def _probe_health(url: str, deadline: float) -> tuple[list[float], list[str]]:
     return latencies, failures
 
 
+# Only these hostile kinds run, when set (--only): to find which one slows the server.
+ONLY_ENV = "LIGHTNING_ABUSE_ONLY"
+
+
 async def _loop(kind: str, deadline: float, hostile: Hostile, attack) -> None:
     """Run `attack` again and again until the deadline, counting what it got back."""
+    only = os.environ.get(ONLY_ENV)
+    if only and kind not in only.split(","):
+        return
     while time.monotonic() < deadline:
         try:
             hostile.saw(kind, str(await attack()))
@@ -244,8 +277,80 @@ async def hostile_mix(url: str, port: int, model: str, deadline: float) -> Hosti
         body = {"rollout_ids": [waited_on] * LONG_POLL_IDS, "timeout": 30}
         return (await http.post("/store/wait", json=body)).status_code
 
+    # An attempt of the attacker's own (whatever rollout the queue gives it: the good clients
+    # take any), for the span-level attacks.
+    async with HttpStoreClient(url) as store:
+        await store.enqueue_rollout(RolloutRequest(input={"question": "abuse"}))
+        claim = await store.dequeue("abuse")
+    own = (claim.rollout.rollout_id, claim.attempt.attempt_id) if claim else ("ro-x", "at-x")
+
+    def spans(count: int, name: str, attributes: dict, first: int = 0) -> bytes:
+        return orjson.dumps({
+            "spans": [
+                {
+                    "rollout_id": own[0], "attempt_id": own[1], "name": name,
+                    "trace_id": f"{first + k:032x}", "span_id": f"{first + k + 1:016x}",
+                    "start_time": time.time(), "attributes": attributes,
+                }
+                for k in range(count)
+            ]
+        })  # fmt: skip
+
+    json_headers = {"content-type": "application/json"}
+    # Built once, like the OTLP body: what is measured is the server's work, not the attacker's.
+    # Distinct ids, so that each is new spans (a repeat would be an exporter's retry, stored once).
+    floods = [
+        await asyncio.to_thread(spans, FLOOD_SPANS, "flood", {"x": "y" * 16}, k * FLOOD_SPANS)
+        for k in range(4)
+    ]
+    flood_bodies = itertools.cycle(floods)
+    huge_reward = spans(1, semconv.REWARD_SPAN, {semconv.REWARD_VALUE: 1e200}, 10**9)
+
+    async def reward_out_of_range() -> int:
+        sent = await http.post("/store/spans", content=huge_reward, headers=json_headers)
+        return sent.status_code
+
+    async def span_flood() -> int:
+        body = next(flood_bodies)
+        return (await http.post("/store/spans", content=body, headers=json_headers)).status_code
+
+    feedback_episode = "abuse-feedback"
+    await http.post(f"/episodes/{feedback_episode}", json={})
+    sources = iter(range(10**9))
+
+    async def feedback_out_of_range() -> str:
+        body = {"value": 1e200, "source": "user"}
+        sent = await http.post(f"/episodes/{feedback_episode}/feedback", json=body)
+        routing = await http.get("/serving/routing")
+        return f"{sent.status_code}/{routing.status_code}"
+
+    async def feedback_sources() -> int:
+        body = {"value": 1.0, "source": f"source-{next(sources)}"}
+        return (await http.post(f"/episodes/{feedback_episode}/feedback", json=body)).status_code
+
+    episodes = iter(range(10**9))
+    labels = orjson.dumps({"metadata": {"notes": "x" * EPISODE_METADATA_BYTES}})
+
+    async def labelled_episodes() -> int:
+        path = f"/episodes/abuse-{next(episodes)}"
+        return (await http.post(path, content=labels, headers=json_headers)).status_code
+
+    async def episode_flood() -> int:
+        return (await http.post(f"/episodes/abuse-{next(episodes)}", json={})).status_code
+
     try:
         await asyncio.gather(
+            _loop("reward out of range", deadline, hostile, reward_out_of_range),
+            _loop("span flood", deadline, hostile, span_flood),
+            _loop(
+                "feedback out of range (and /serving/routing)",
+                deadline,
+                hostile,
+                feedback_out_of_range,
+            ),
+            _loop("feedback sources", deadline, hostile, feedback_sources),
+            _loop("episode flood (60 KiB labels)", deadline, hostile, labelled_episodes),
+            _loop("episode flood (no labels)", deadline, hostile, episode_flood),
             _loop("huge prompt", deadline, hostile, huge_prompt),
             _loop("huge OTLP body", deadline, hostile, huge_otlp),
             _loop("huge grammar", deadline, hostile, huge_grammar),
@@ -355,17 +460,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline", type=float, default=30.0, help="Seconds of the workload alone first."
     )
+    parser.add_argument(
+        "--only",
+        help="Comma-separated hostile kinds to run (as the table names them); all by "
+        "default. The idle sockets and slowloris clients always run.",
+    )
+    parser.add_argument(
+        "--no-training", action="store_true", help="Leave out the training run with attackers."
+    )
     args = parser.parse_args(argv)
+    if args.only:
+        os.environ[ONLY_ENV] = args.only  # read by the hostile process, which inherits it
     with tempfile.TemporaryDirectory(prefix="lightning-abuse-") as tmp:
         port = free_port()
-        server = start_serve(Path(tmp) / "abuse.duckdb", port, "--model", str(tiny_model_dir()))
+        env = os.environ | EPISODE_LIMITS
+        db = Path(tmp) / "abuse.duckdb"
+        server = start_serve(db, port, "--model", str(tiny_model_dir()), env=env)
         try:
             phases = asyncio.run(run(f"http://127.0.0.1:{port}", port, args.seconds, args.baseline))
+            rss_mb = psutil.Process(server.pid).memory_info().rss / 2**20
         finally:
             stop_serve(server)
-    print(report(phases))
+        print(report(phases))
+        print(f"abuse_server_rss_mb: {rss_mb:.0f}")
+        training = None if args.no_training else hostile_training(Path(tmp))
+    if training is not None:
+        print("\n" + "\n".join(training_report(training)))
     attacked = phases[-1]
-    return 1 if attacked.tally.error_count or attacked.health_failures else 0
+    failed = attacked.tally.error_count or attacked.health_failures
+    return 1 if failed or (training is not None and training.stopped) else 0
 
 
 if __name__ == "__main__":

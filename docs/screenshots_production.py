@@ -157,8 +157,10 @@ def production_server(work: Path, registry: Any, hook_port: int) -> Iterator[str
     `hook_port`; yields its URL. Polling every 5 minutes: only the hook makes it look."""
     port = shots.free_port()
     url = f"http://127.0.0.1:{port}"
-    live = {"poll_s": 300, "webhook_port": hook_port, "webhook_secret": SECRET}
+    live = {"poll_s": 300, "webhook_port": hook_port}
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_API_KEY"}
+    # By environment: `--live` refuses a secret, which a command line shows to every user.
+    env["LIGHTNING_LIVE_WEBHOOK_SECRET"] = SECRET
     cli = Path(sys.executable).with_name("lightning-rl")
     log = (work / "production.log").open("w")
     server = subprocess.Popen(

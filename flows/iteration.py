@@ -135,6 +135,7 @@ def _rollouts(
             base_model=run.base_model if config.provenance.check_transitions else None,
             template_fingerprint=run.template_fingerprint,
             judge=judge,
+            max_call_tokens=config.trainer.max_call_tokens,
         ).result()
 
     return sample_rounds(

@@ -37,6 +37,23 @@ CONSTRAINT_SCHEMA = "lightning.constraint.json_schema"
 # Its Lark grammar (kind grammar only), for the same replay.
 CONSTRAINT_GRAMMAR = "lightning.constraint.grammar"
 AGENT_NAME = "lightning.agent_name"
+# What only the gateway writes, on the spans of the calls it answers: a training transition is
+# made of them, and provenance checks them. A span an agent's key writes over HTTP may carry
+# none of them (store/guards.py): every key that starts with the prefix (the choices' token ids,
+# logprobs, finish reasons and their count) and the keys of the set.
+GATEWAY_ONLY_PREFIX = "lightning.response."
+GATEWAY_ONLY = frozenset(
+    {
+        PROMPT_TOKEN_IDS,
+        POLICY_VERSION,
+        ADAPTER_HASH,
+        TEMPLATE_FINGERPRINT,
+        API,
+        CONSTRAINT,
+        CONSTRAINT_SCHEMA,
+        CONSTRAINT_GRAMMAR,
+    }
+)
 # The header (or request metadata key) an agent names itself with in a multi-agent system.
 AGENT_HEADER = "X-Lightning-Agent"
 AGENT_METADATA_KEY = "agent_name"

@@ -20,7 +20,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from opentelemetry.trace import Status, StatusCode
 from lightning_core import semconv
 from lightning_core.errors import InvalidInput, LightningError
 from lightning_core.security.keys import bearer_header
-from lightning_core.types import Span
+from lightning_core.types import Span, check_reward
 
 log = logging.getLogger(__name__)
 
@@ -240,13 +239,13 @@ def emit_reward(value: float, name: str = "reward", primary: bool = True, **attr
     """Record a reward at this point of the rollout.
 
     Several named rewards may be emitted; the last primary one is the episode's return, the
-    others are intermediate rewards on the step they follow.
+    others are intermediate rewards on the step they follow. The value must be within the
+    reward range (types.check_reward): refused here already, not by the store after the agent ran.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidInput(f"a reward must be a finite number, got {value!r}")
+    value = check_reward(value, "a reward")
     if _current.get() is None:
         return
-    fields = {semconv.REWARD_VALUE: float(value), semconv.REWARD_NAME: name}
+    fields = {semconv.REWARD_VALUE: value, semconv.REWARD_NAME: name}
     fields[semconv.REWARD_PRIMARY] = primary
     with _tracer().start_as_current_span(semconv.REWARD_SPAN, attributes=fields) as span:
         span.set_attributes({k: _clip(v) for k, v in attributes.items()})

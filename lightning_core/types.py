@@ -6,9 +6,13 @@ rows compare and sort the same in Python, JSON and DuckDB.
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import sys
 import time
 import uuid
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -60,6 +64,112 @@ def _capped(cap: int) -> AfterValidator:
 # that pydantic lets it through and the server answers 413 rather than 422).
 StoredInput = Annotated[Any, _capped(MAX_INPUT_BYTES)]
 Labels = Annotated[dict[str, Any], _capped(MAX_METADATA_BYTES)]
+
+
+# ---------------------------------------------------------------------------- the reward range
+
+# Every reward that enters (a reward span, an attempt's reward, an episode's feedback) must be a
+# finite number within [-max_abs_reward, max_abs_reward]. Finite is not enough: one reward of
+# 1e200 swamps every mean it enters and its square overflows (the variance of a group's returns,
+# of a version's live feedback), so one agent or one feedback source could stop a training run
+# or the serving routes. It is refused where it enters (a 400 naming the value, the bound and the
+# setting) and never stored. The store's bound is its `max_abs_reward` setting; clients
+# (emit_reward, the runner) and the training flow's collect read the same environment variable,
+# so that they fail early with the same message.
+MAX_ABS_REWARD_SETTING = "LIGHTNING_MAX_ABS_REWARD"
+DEFAULT_MAX_ABS_REWARD = 1e6
+# The widest range the setting allows: a sum of billions of squares of 1e100 is still far below
+# the largest float (1.8e308), so no statistic over stored rewards can overflow.
+LIMIT_MAX_ABS_REWARD = 1e100
+
+
+def max_abs_reward() -> float:
+    """The bound from LIGHTNING_MAX_ABS_REWARD in this process's environment, else the default:
+    what clients check against (set it as on the server) and StoreConfig's default."""
+    raw = os.environ.get(MAX_ABS_REWARD_SETTING, "").strip()
+    if not raw:
+        return DEFAULT_MAX_ABS_REWARD
+    try:
+        bound = float(raw)
+    except ValueError:
+        bound = math.nan
+    if not 0 < bound <= LIMIT_MAX_ABS_REWARD:
+        raise InvalidInput(
+            f"{MAX_ABS_REWARD_SETTING}={raw!r} is not a number in (0, {LIMIT_MAX_ABS_REWARD:g}]"
+        )
+    return bound
+
+
+def check_reward(value: Any, what: str, bound: float | None = None) -> float:
+    """`value` as a float if it is a number within the reward range (`bound`, default
+    max_abs_reward()); InvalidInput naming `what`, the value, the bound and the setting if not."""
+    # An int is compared exactly: math.isfinite would overflow on a huge one.
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if isinstance(value, bool) or not finite:
+        raise InvalidInput(f"{what} must be a finite number, got {value!r}")
+    bound = max_abs_reward() if bound is None else bound
+    if abs(value) > bound:
+        setting = MAX_ABS_REWARD_SETTING
+        raise InvalidInput(
+            f"{what} is {value!r}, outside the reward range [-{bound:g}, {bound:g}] ({setting}): "
+            f"rescale the reward, or raise {setting} on the server and its clients alike"
+        )
+    return float(value)
+
+
+def in_reward_range(value: Any, bound: float) -> bool:
+    """Whether `value` is a number within the reward range `bound` (check_reward's test)."""
+    try:
+        check_reward(value, "value", bound)
+    except InvalidInput:
+        return False
+    return True
+
+
+# Statistics over rewards that stay finite for any finite values (such as rewards stored before
+# the range was checked), with the bits of plain arithmetic for ordinary ones.
+
+
+def scale_exponent(values: Sequence[float]) -> int:
+    """k such that every value times 2**-k is below 1 in magnitude (0 for no values). Scaling by
+    a power of two is exact, so sums and squares of the scaled values lose nothing."""
+    big = max((abs(v) for v in values), default=0.0)
+    return math.frexp(big)[1] if math.isfinite(big) else 0
+
+
+def scale_up(value: float, k: int) -> float:
+    """value * 2**k, saturated at the largest float rather than overflowing."""
+    try:
+        return math.ldexp(value, k)
+    except OverflowError:
+        return math.copysign(sys.float_info.max, value)
+
+
+def finite_mean(values: Sequence[float]) -> float:
+    """sum(values) / len(values); where that sum overflows, the mean of the values scaled down
+    (exactly) first."""
+    total = sum(values)
+    if math.isfinite(total):
+        return total / len(values)
+    k = scale_exponent(values)
+    return scale_up(sum(math.ldexp(v, -k) for v in values) / len(values), k)
+
+
+def finite_variance(values: Sequence[float], ddof: int = 1) -> float:
+    """sum((v - mean) ** 2) / max(n - ddof, 1); where a square overflows, computed on the values
+    scaled down, and saturated at the largest float."""
+    m = finite_mean(values)
+    divisor = max(len(values) - ddof, 1)
+    try:
+        result = sum((v - m) ** 2 for v in values) / divisor
+    except OverflowError:  # float ** 2 raises where it overflows (v - m may be inf instead)
+        result = math.inf
+    if math.isfinite(result):
+        return result
+    k = scale_exponent(values)
+    scaled = [math.ldexp(v, -k) for v in values]
+    m = finite_mean(scaled)
+    return scale_up(sum((v - m) ** 2 for v in scaled) / divisor, 2 * k)
 
 
 def new_id(prefix: str) -> str:
@@ -411,7 +521,10 @@ FeedbackValue = Annotated[float, Field(allow_inf_nan=False, strict=True)]
 class FeedbackIn(_Model):
     """A reward for a production episode, given after the fact (a user's rating, a check)."""
 
-    value: FeedbackValue = Field(description="The reward: a finite number.")
+    value: FeedbackValue = Field(
+        description="The reward: a finite number within the server's reward range "
+        "(LIGHTNING_MAX_ABS_REWARD, default +-1e6; outside it, refused with a 400)."
+    )
     source: str = Field(
         "user",
         pattern=f"^{FEEDBACK_SOURCE_PATTERN}$",

@@ -4,7 +4,9 @@ with `__`, e.g. LIGHTNING_LIVE_GATE__ALPHA=0.01), read by `lightning-rl producti
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lightning_core.stats.sequential import LiveGateConfig, RollbackConfig
@@ -52,7 +54,14 @@ class LiveConfig(BaseSettings):
         None,
         description="Shared secret signing webhook deliveries (MLflow's HMAC, or the "
         "X-Lightning-Reload-Secret header of a Prefect automation); None: a new random one "
-        "per run (given to the MLflow webhook it registers).",
+        "per run (given to the MLflow webhook it registers). Set it as "
+        "LIGHTNING_LIVE_WEBHOOK_SECRET or by webhook_secret_file: `--live` refuses it, since a "
+        "command line is readable by every user of the machine.",
+    )
+    webhook_secret_file: str | None = Field(
+        None,
+        description="A file whose content (stripped) is webhook_secret: a file only the "
+        "server's user can read (mode 0600), instead of the secret itself.",
     )
     gate: LiveGateConfig = Field(
         default_factory=LiveGateConfig, description="The live gate on the canary's feedback."
@@ -60,3 +69,18 @@ class LiveConfig(BaseSettings):
     rollback: RollbackConfig = Field(
         default_factory=RollbackConfig, description="Automatic rollback of a failing champion."
     )
+
+    @model_validator(mode="after")
+    def _secret_from_its_file(self) -> LiveConfig:
+        if self.webhook_secret_file is None:
+            return self
+        if self.webhook_secret is not None:
+            raise ValueError("give webhook_secret or webhook_secret_file, not both")
+        try:
+            secret = Path(self.webhook_secret_file).expanduser().read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read webhook_secret_file: {exc}") from exc
+        if not secret:
+            raise ValueError(f"webhook_secret_file {self.webhook_secret_file} is empty")
+        self.webhook_secret = SecretStr(secret)
+        return self

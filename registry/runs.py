@@ -12,7 +12,7 @@ import mlflow
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
-from lightning_core.security.redaction import redact
+from lightning_core.security.redaction import MASK, is_secret_name, redact
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.connection import experiment_id, mlflow_client
 
@@ -60,8 +60,10 @@ def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         if isinstance(value, Mapping):
             flat.update(_flatten(value, f"{name}."))
         else:
-            # A URL's password (tracking_uri, vllm_url) is no param for every reader to see.
-            flat[name] = redact(str(value))[:_MAX_PARAM_CHARS]
+            # A URL's password (tracking_uri, vllm_url), or a credential by its name (a backend
+            # option's api_key, which no SecretStr types), is no param for every reader to see.
+            secret = is_secret_name(str(key)) and value not in (None, "")
+            flat[name] = MASK if secret else redact(str(value))[:_MAX_PARAM_CHARS]
     return flat
 
 
@@ -69,7 +71,8 @@ def log_params(params: Mapping[str, Any], run_id: str | None = None) -> dict[str
     """Log params, nested dicts and pydantic models flattened to dotted keys (`trainer.lora.rank`).
 
     `run_id` None is this thread's active run; pass the run's id from tasks run in other threads.
-    Secrets inside URLs are logged as '***' (lightning_core.security.redaction).
+    Secrets inside URLs, and the values of settings named as secrets (`api_key`), are logged
+    as '***' (lightning_core.security.redaction).
     Returns what was logged.
     """
     flat = _flatten(params)

@@ -206,13 +206,15 @@ async def collect_transitions(
     base_model: str | None = None,
     template_fingerprint: str | None = None,
     judge: JudgeSetup | None = None,
+    max_call_tokens: int | None = None,
 ) -> Collected:
     """Spans to transitions with LightningRL credit and group advantages, stored back. With
     `base_model` (the name the server serves it under), each rollout's calls are checked
     against the run's record (data/provenance.py): the adapter hashes the run's policy versions
     declared when published, and `template_fingerprint`; a rollout that disagrees is refused.
     With `judge`, the judge scores each group first (docs/judge.md) and its combined reward is
-    each rollout's final one."""
+    each rollout's final one. A rollout with a call over `max_call_tokens` (the trainer's
+    max_call_tokens) is not trained on."""
     async with store_client(server_url, key_file) as store:
         rollouts = await store.query_rollouts(rollout_ids=rollout_ids)
         spans = await store.query_spans(rollout_ids, "latest")
@@ -221,7 +223,9 @@ async def collect_transitions(
             versions = await store.list_policy_versions()
             record = ProvenanceRecord.of(base_model, versions, template_fingerprint)
         judged = await judge_collected(store, judge, rollout_ids) if judge is not None else None
-        collected = collect(rollouts, spans, adapter, credit, record, judged)
+        collected = collect(
+            rollouts, spans, adapter, credit, record, judged, max_call_tokens=max_call_tokens
+        )
         if collected.transitions:
             await store.add_transitions(collected.transitions)
         return collected

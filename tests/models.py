@@ -35,10 +35,11 @@ TOOL_QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the tool."}]
 TOOL_CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
-def tool_calling_model(steps: int = 120) -> Path:
+def tool_calling_model(steps: int = 400) -> Path:
     """The tiny model, trained to answer TOOL_QUESTION (with TOOLS) by calling `add`; built
     once into the cache."""
-    target_dir = cache_dir() / "models" / "tiny-tool-caller"
+    # "-v2": the recipe of _train_answers; a model an older recipe left in the cache is not reused.
+    target_dir = cache_dir() / "models" / "tiny-tool-caller-v2"
     with _building(target_dir) as scratch:
         if scratch is not None:
             _train_tool_call(scratch, steps)
@@ -68,7 +69,7 @@ def scaled_tiny_model(folder: Path, factor: float) -> Path:
     return folder
 
 
-def answering_model(examples: list[tuple[list[int], str]], steps: int = 300) -> Path:
+def answering_model(examples: list[tuple[list[int], str]], steps: int = 400) -> Path:
     """The tiny model, trained to answer each prompt (token ids, as a span recorded them) with
     its text, greedily; built once per set of examples into the cache, keyed by their hash.
 
@@ -76,7 +77,7 @@ def answering_model(examples: list[tuple[list[int], str]], steps: int = 300) -> 
     instructions and tool schemas): run the client once, take the prompt from its span, train.
     """
     key = hashlib.sha256(orjson.dumps(examples)).hexdigest()[:16]
-    target_dir = cache_dir() / "models" / f"tiny-answerer-{key}"
+    target_dir = cache_dir() / "models" / f"tiny-answerer-v2-{key}"
     with _building(target_dir) as scratch:
         if scratch is not None:
             _train_answers(scratch, examples, steps)
@@ -84,26 +85,40 @@ def answering_model(examples: list[tuple[list[int], str]], steps: int = 300) -> 
 
 
 def _train_answers(folder: Path, examples: list[tuple[list[int], str]], steps: int) -> None:
+    """Teach the model each example until greedy decoding gives every target token by a clear
+    margin, then check with `generate` and save; RuntimeError if `steps` were not enough.
+
+    Deterministic: one seed, one order, the CPU. Why this recipe (BENCHMARKS.md, issue 43): the
+    old one (AdamW at 1e-2, no clipping, stopped on a loss threshold) failed on 6 of 12 example
+    sets, as on CI's machine, whose sampled transcripts differed from ours; stopping on a loss
+    let a wrong greedy token through. Clipped steps at 3e-3 learn every set tried, and only the
+    target positions go through the 49,152-token head, so a step is cheap.
+    """
     shutil.copytree(tiny_model_dir(), folder, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     pairs = [(p, [*encode(tokenizer, text), tokenizer.eos_token_id]) for p, text in examples]
     torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
+    losses: list[float] = []
     for _ in range(steps):
-        loss = sum(
-            model(
-                input_ids=torch.tensor([prompt + target]),
-                labels=torch.tensor([[-100] * len(prompt) + target]),
-            ).loss
-            for prompt, target in pairs
-        )
         optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 0.02 * len(pairs):
+        losses, learned = [], True
+        for prompt, target in pairs:
+            # The logits that predict the target: the last len(target) + 1 positions, less the
+            # one after the target's end.
+            logits = model(
+                input_ids=torch.tensor([prompt + target]), logits_to_keep=len(target) + 1
+            ).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits, torch.tensor(target))
+            loss.backward()
+            losses.append(loss.item())
+            learned = learned and _greedy_with_margin(logits.detach(), target)
+        if learned:
             break
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
     model.eval()
     with torch.inference_mode():
         for prompt, target in pairs:
@@ -111,8 +126,22 @@ def _train_answers(folder: Path, examples: list[tuple[list[int], str]], steps: i
                 torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False
             )
             if out[0, len(prompt) :].tolist() != target:
-                raise RuntimeError(f"the tiny test model did not learn its answers (loss {loss})")
+                raise RuntimeError(
+                    f"the tiny test model did not learn its answers in {steps} steps "
+                    f"(losses {[round(x, 3) for x in losses]})"
+                )
     model.save_pretrained(folder)
+
+
+# How far (in logits) each target token must lead the runner-up before training stops: the
+# served model computes in other batch shapes, whose last bits must not flip a greedy choice.
+MARGIN = 2.0
+
+
+def _greedy_with_margin(logits: torch.Tensor, target: list[int]) -> bool:
+    top = logits.topk(2, dim=-1)
+    right = top.indices[:, 0] == torch.tensor(target)
+    return bool(right.all() and (top.values[:, 0] - top.values[:, 1] > MARGIN).all())
 
 
 def likeliest_replies(model_dir: Path, question: str, k: int = 20) -> list[tuple[float, str]]:

@@ -1,5 +1,6 @@
 """A short run of the abuse benchmark (benchmarks/abuse.py), so that it keeps working between
-full runs: the good workload beside every hostile kind, for a few seconds."""
+full runs: the good workload beside every hostile kind, for a few seconds, then the training
+run whose agents attack it (benchmarks/abuse_training.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_a_short_abuse_run_meets_every_hostile_kind_without_a_good_failure():
     done = subprocess.run(
         [sys.executable, "benchmarks/abuse.py", "--seconds", "8", "--baseline", "3"],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=460,
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -33,6 +34,16 @@ def test_a_short_abuse_run_meets_every_hostile_kind_without_a_good_failure():
     assert not _server_errors(text), (_server_errors(text), text)
     for line in ("abuse_health_p99_ms: ", "abuse_good_p99_ms_without_hostile: "):
         assert line in text, text
+    # Issue 43's kinds: values out of range refused and routing still answering, the
+    # quotas reached, and the training run finished on none of its agents' forgeries.
+    assert "| reward out of range | 400 x" in text, text
+    assert "| feedback out of range (and /serving/routing) | 400/200 x" in text, text
+    assert re.search(r"\| feedback sources \|.*429 x", text), text
+    assert re.search(r"\| span flood \|.*413 x", text), text
+    assert "training_run_stopped_by_agent: 0" in text and "training_forged_transitions: 0" in text
+    for attack in ("forged_call", "huge_reward"):
+        row = re.search(rf"\| {attack} \| (.*) \|", text)
+        assert row and set(re.findall(r"(\S+) x\d+", row.group(1))) == {"400"}, (attack, text)
 
 
 def _server_errors(text: str) -> list[str]:

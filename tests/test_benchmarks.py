@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ELSEWHERE = {
     "soak": "tests/test_soak.py",
     "abuse": "tests/test_abuse_bench.py",
+    "abuse_training": "tests/test_abuse_bench.py",
     "fuzz": "tests/test_fuzz.py",
     "gpu_check": "tests/test_gpu_check.py",
     "fault_matrix": "tests/test_faults.py",
@@ -33,7 +34,7 @@ ELSEWHERE = {
     "heldout_split": "tests/test_flow.py",
 }
 # Modules the scripts import, with nothing to run of their own.
-HELPERS = {"workload", "quick_train"}
+HELPERS = {"workload", "quick_train", "abuse_agents"}
 QUICK = (
     "gateway",
     "store_throughput",
@@ -52,6 +53,7 @@ QUICK = (
     "objectives",
     "offline_gate",
     "frozen_replay",
+    "tiny_answerer",
 )
 FIGURE = re.compile(r"^(\w+): (-?[\d.]+|nan|n/a)\b", re.M)
 
@@ -334,3 +336,12 @@ def test_objectives_quick(prefect_api_env, tmp_path):
     )
     [row] = table_rows(text, "1")
     assert int(row[1]) >= 4 and int(row[3]) < int(row[2]), text  # 2 tasks x 2 rollouts
+
+
+@pytest.mark.timeout(300)
+def test_tiny_answerer_quick():
+    text = run_benchmark("tiny_answerer", "--quick", timeout=280)
+    # One example set, answers agreeing then disagreeing with gold, by the current recipe.
+    rows = [line.split() for line in text.splitlines() if line.startswith("new ")]
+    assert [r[2:4] for r in rows[:2]] == [["agree", "True"], ["disagree", "True"]], text
+    assert figures(text)["tiny_answerer_failures"] == "0", text

@@ -19,6 +19,7 @@ from lightning_core.serving.process import start_serve
 from lightning_core.store.base import MAX_PAGE_SIZE, NEXT_PAGE_HEADER, PAGE_SIZE
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
+from lightning_core.store.routes import CHUNK_ITEMS
 from lightning_core.types import (
     MAX_INPUT_BYTES,
     MAX_METADATA_BYTES,
@@ -252,3 +253,33 @@ async def test_a_long_poll_counts_each_id_once(served, http):
         assert len(await store.wait_for_rollouts([queued.rollout_id] * 5, timeout=0)) == 1
     finally:
         await store.close()
+
+
+async def test_a_big_span_write_is_validated_a_slice_at_a_time_and_errors_name_the_span(
+    served, http
+):
+    """/store/spans validates its spans off the event loop, CHUNK_ITEMS at a time (a 4,000-span
+    write held the loop 15-20 ms in one piece; benchmarks/abuse.py's span flood). What a client
+    sees is unchanged: every span of a good write is stored, a bad span past the first slice
+    is located by its index in the whole body, and a write that is not JSON is a 400."""
+    async with HttpStoreClient(served) as client:
+        await client.enqueue_rollouts([RolloutRequest(input="slices")])
+        # Whichever rollout the queue gives (other tests of the module leave some queued).
+        claim = await client.dequeue("w")
+        good = [span(claim).model_dump(mode="json") for _ in range(3 * CHUNK_ITEMS + 5)]
+        assert http.post("/store/spans", json={"spans": good}).json() == {"count": len(good)}
+        bad = [span(claim).model_dump(mode="json") for _ in range(2 * CHUNK_ITEMS)]
+        del bad[CHUNK_ITEMS + 7]["trace_id"]
+        answer = http.post("/store/spans", json={"spans": bad})
+        assert answer.status_code == 422
+        assert f"body.spans.{CHUNK_ITEMS + 7}.trace_id: Field required" in answer.text
+        for body in (b"{not json", b'{"spans": 3}'):
+            answer = http.post(
+                "/store/spans", content=body, headers={"content-type": "application/json"}
+            )
+            assert answer.status_code in (400, 422), answer.text
+        spans = await client.query_spans([claim.rollout.rollout_id], claim.attempt.attempt_id)
+    assert len(spans) == len(good)  # the bad write stored none of its spans
+    schema = http.get("/openapi.json").json()["paths"]["/store/spans"]["post"]["requestBody"]
+    items = schema["content"]["application/json"]["schema"]["properties"]["spans"]["items"]
+    assert items == {"$ref": "#/components/schemas/Span"}

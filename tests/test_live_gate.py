@@ -7,6 +7,7 @@ import json
 import random
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -177,13 +178,15 @@ def test_the_reload_hook_nudges_only_on_signed_small_deliveries_about_its_model(
         def mlflow_post(payload: dict, secret: str = "s3cret") -> httpx.Response:
             body = json.dumps(payload).encode()
             now = str(int(time.time()))
+            # A new id per delivery, as MLflow sends (one id is taken once: a replay).
+            delivery = uuid.uuid4().hex
             return httpx.post(
                 hook.url + MLFLOW_PATH,
                 content=body,
                 headers={
-                    "X-MLflow-Signature": mlflow_signature(secret, "d", now, body),
+                    "X-MLflow-Signature": mlflow_signature(secret, delivery, now, body),
                     "X-MLflow-Timestamp": now,
-                    "X-MLflow-Delivery-Id": "d",
+                    "X-MLflow-Delivery-Id": delivery,
                 },
             )
 

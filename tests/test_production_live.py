@@ -102,11 +102,15 @@ class Production:
         self.url = f"http://127.0.0.1:{self.port}"
         db = root / "production" / "store.duckdb"
         env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_API_KEY"}
+        # The webhook's secret by environment: `--live` refuses it on the command line.
+        given = {k: v for k, v in live.items() if k != "webhook_secret"}
+        if "webhook_secret" in live:
+            env["LIGHTNING_LIVE_WEBHOOK_SECRET"] = live["webhook_secret"]
         self.log = root / "production.log"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lightning_rl.flows.cli", "production", "--model", "tiny",
              "--port", str(self.port), "--db", str(db), "--tracking-uri", registry.tracking_uri,
-             "--registered-model", registry.registered_model, "--live", json.dumps(live)],
+             "--registered-model", registry.registered_model, "--live", json.dumps(given)],
             cwd=REPO, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait_healthy(self.url, self.process, what="production server")

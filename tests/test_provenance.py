@@ -245,17 +245,23 @@ def test_rollouts_that_disagree_with_the_runs_record_are_refused_and_counted(
     assert reasons == [(checks.ADAPTER_MISMATCH,), (None,)]
 
 
-def test_a_transition_without_recorded_provenance_is_not_refused():
-    # Spans from before these attributes (or from an OTLP source without our gateway) carry
-    # none: only a recorded value that disagrees refuses.
+def test_a_transition_without_the_provenance_the_record_expects_is_refused():
+    # The gateway writes the version, hash and fingerprint on every call it answers: a call
+    # without one the record expects was not written by the run's gateway (issue 43; more in
+    # tests/test_hostile_spans.py).
     record = ProvenanceRecord(
         base_model="base", versions={"v1": "a" * 64}, template_fingerprint="f"
     )
     t = Transition(
         rollout_id="r", step=0, prompt_token_ids=[1], response_token_ids=[2], policy_version="v1"
     )
-    assert record.disagreement(t) is None
+    assert record.disagreement(t) == checks.MISSING_PROVENANCE
+    whole = t.model_copy(update={"adapter_hash": "a" * 64, "template_fingerprint": "f"})
+    assert record.disagreement(whole) is None
     assert (
-        record.disagreement(t.model_copy(update={"adapter_hash": "b" * 64}))
+        record.disagreement(whole.model_copy(update={"adapter_hash": "b" * 64}))
         == checks.ADAPTER_MISMATCH
     )
+    # Nothing is expected of what the record does not know: the base model has no adapter.
+    unrecorded = record.model_copy(update={"template_fingerprint": None})
+    assert unrecorded.disagreement(t.model_copy(update={"policy_version": "base"})) is None

@@ -49,6 +49,12 @@ def test_every_endpoint_is_a_route_of_the_app():
         assert route.response_model == endpoint.response
         assert route.summary == endpoint.summary
         body = route.body_field.field_info.annotation if route.body_field else None
+        if endpoint.chunked is not None:
+            # Read by the handler itself (validated off the loop); OpenAPI still shows it.
+            assert body is None
+            schema = route.openapi_extra["requestBody"]["content"]["application/json"]["schema"]
+            assert schema["title"] == endpoint.body.__name__
+            continue
         assert body is (endpoint.body if endpoint.method == "POST" else None)
 
 

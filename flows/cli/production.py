@@ -60,7 +60,9 @@ def production(
             metavar="JSON",
             help="Settings of the alias follower, canary, live gate and rollback, LiveConfig's "
             'fields as a JSON object, e.g. \'{"canary_fraction": 0.2, "webhook_port": 4749}\' '
-            "(also LIGHTNING_LIVE_<FIELD>).",
+            "(also LIGHTNING_LIVE_<FIELD>). Never the webhook's secret: every user of the "
+            "machine can read a command line; set LIGHTNING_LIVE_WEBHOOK_SECRET, or name a "
+            "file that holds it (webhook_secret_file).",
         ),
     ] = None,
 ) -> None:
@@ -98,7 +100,10 @@ def production(
     agents_from_cwd()
     try:
         try:
-            live_config = LiveConfig(**(json.loads(live) if live else {}))
+            live_given = json.loads(live) if live else {}
+            if isinstance(live_given, dict) and "webhook_secret" in live_given:
+                raise LightningError(_SECRET_ON_THE_COMMAND_LINE)
+            live_config = LiveConfig(**live_given)
         except (json.JSONDecodeError, TypeError) as exc:
             raise LightningError(
                 f"--live takes a JSON object of LiveConfig's fields: {exc}"
@@ -197,6 +202,16 @@ def production(
             bind_host=host,
         )
     )
+
+
+# A command line is no place for a secret: `ps` shows it to every user of the machine, and the
+# shell keeps it in its history.
+_SECRET_ON_THE_COMMAND_LINE = (
+    "--live does not take webhook_secret: a command line is readable by every user of this "
+    "machine (ps) and stays in the shell's history. Give the secret by environment variable "
+    "(LIGHTNING_LIVE_WEBHOOK_SECRET) or by file (--live '{\"webhook_secret_file\": PATH}', "
+    "a file only you can read)"
+)
 
 
 def _connect_host(host: str) -> str:

@@ -54,6 +54,14 @@ class TrainerConfig(BaseModel):
         "CPU, SmolLM2-135M with every layer adapted peaks at 3.2 GiB with 1024, 5.6 with "
         "2048 (BENCHMARKS.md); the GPU preset raises it.",
     )
+    max_call_tokens: int = Field(
+        65536,
+        ge=1,
+        description="Longest call (prompt + response tokens) trained on: collecting drops a "
+        "rollout with a longer one (counted as call_too_long), so no update meets it. The "
+        "default is the longest call the gateway's default limits let through "
+        "(max_prompt_tokens + max_generation_tokens); lower it to what a step's memory holds.",
+    )
     clip_low: float = Field(0.2, ge=0, description="PPO clip below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(
         0.28, ge=0, description="PPO clip above 1; larger than clip_low is clip-higher (DAPO)."

@@ -26,6 +26,7 @@ tokens outside the clip range) and `choose_method` picks:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -44,7 +45,10 @@ from lightning_core.types import (
     RolloutMode,
     Span,
     Transition,
+    finite_mean,
+    in_reward_range,
 )
+from lightning_core.types import max_abs_reward as environment_max_abs_reward
 
 Method = Literal["importance", "filtered"]
 Combine = Literal["mean", "min", "max", "sum", "latest", "weighted"]
@@ -114,6 +118,11 @@ class OfflineBatch(BaseModel):
     unrewarded_ids: list[str] = Field(default_factory=list)
     # Episodes with feedback whose rollout was not passed.
     missing_ids: list[str] = Field(default_factory=list)
+    unusable_ids: list[str] = Field(
+        default_factory=list,
+        description="Episodes left out for their feedback: a value outside the reward range "
+        "(stored before the range was checked) or a combined reward that overflows.",
+    )
     # The feedback rows that counted for the episodes trained on (analytics exports them).
     feedback: list[Feedback] = Field(default_factory=list)
 
@@ -133,12 +142,13 @@ class OfflineBatch(BaseModel):
     def mean_reward(self) -> float:
         """The baseline of the advantages; 0 for an empty batch."""
         rewards = [e["reward"] for e in self.episodes]
-        return sum(rewards) / len(rewards) if rewards else 0.0
+        return finite_mean(rewards) if rewards else 0.0
 
     def metrics(self) -> dict[str, float]:
         return {
             "offline/episodes": float(len(self.episodes)),
             "offline/skipped_episodes": float(self.skipped),
+            "offline/unusable_episodes": float(len(self.unusable_ids)),
             "offline/reward_mean": self.mean_reward,
             "offline/transitions": float(len(self.transitions)),
         }
@@ -185,7 +195,7 @@ def combine_feedback(
         raise InvalidInput("an episode without feedback has no reward to combine")
     values = [r.value for r in counted]
     if combine == "mean":
-        return sum(values) / len(values)
+        return finite_mean(values)  # finite for any finite values (their sum may overflow)
     if combine == "min":
         return min(values)
     if combine == "max":
@@ -221,10 +231,14 @@ def episode_batch(
     feedback: Sequence[Feedback],
     config: OfflineConfig | None = None,
     adapter: AdapterConfig | None = None,
+    max_abs_reward: float | None = None,
 ) -> OfflineBatch:
     """Transitions with advantages, facts and rows of the production episodes that have
-    feedback, given their rollouts and spans (the rollouts without feedback are left out)."""
+    feedback, given their rollouts and spans (the rollouts without feedback are left out, and
+    so are those with feedback beyond `max_abs_reward`, None: the environment's, as the
+    store's, or whose combined reward overflows: unusable_ids)."""
     config = config or OfflineConfig()
+    bound = environment_max_abs_reward() if max_abs_reward is None else max_abs_reward
     by_episode: dict[str, list[Feedback]] = {}
     for row in feedback:
         by_episode.setdefault(row.episode_id, []).append(row)
@@ -248,6 +262,9 @@ def episode_batch(
             batch.unrewarded_ids.append(episode_id)
             continue
         reward = combine_feedback(counted, config.combine, config.weights)
+        if not (math.isfinite(reward) and all(in_reward_range(r.value, bound) for r in counted)):
+            batch.unusable_ids.append(episode_id)
+            continue
         mine = by_rollout.get(rollout.rollout_id, [])
         transitions = spans_to_transitions(mine, None, adapter)
         if not transitions:
@@ -287,7 +304,7 @@ def episode_batch(
         counted_of[episode_id] = counted
     batch.missing_ids = sorted(set(by_episode) - seen)
 
-    baseline = sum(r for r, _, _ in per_episode) / len(per_episode) if per_episode else 0.0
+    baseline = finite_mean([r for r, _, _ in per_episode]) if per_episode else 0.0
     for reward, transitions, row in per_episode:
         returns = assign_credit([t.reward for t in transitions], "equal")
         for t, credited in zip(transitions, returns, strict=True):
@@ -326,7 +343,7 @@ def filtered(batch: OfflineBatch | Sequence[Transition], config: OfflineConfig) 
     if config.min_reward is not None:
         kept = {e for e, r in rewards.items() if r >= config.min_reward}
     else:
-        mean = sum(rewards.values()) / len(rewards)
+        average = finite_mean(list(rewards.values()))
         # EPS: equal rewards whose float mean lands a hair below them are not "above" it.
-        kept = {e for e, r in rewards.items() if r - mean > EPS}
+        kept = {e for e, r in rewards.items() if r - average > EPS}
     return [t.model_copy(update={"advantage": 1.0}) for t in transitions if t.rollout_id in kept]

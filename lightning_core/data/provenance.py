@@ -21,6 +21,10 @@ from lightning_core.types import PolicyVersion, Transition
 UNKNOWN_VERSION = "unknown_version"
 ADAPTER_MISMATCH = "adapter_mismatch"
 TEMPLATE_MISMATCH = "template_mismatch"
+# A call without the version, adapter hash or template fingerprint the record expects of it:
+# the gateway writes all three on every call it answers, so a span without them was not
+# written by this run's gateway (or by one from before they were recorded).
+MISSING_PROVENANCE = "missing_provenance"
 
 
 class ProvenanceConfig(BaseModel):
@@ -29,7 +33,8 @@ class ProvenanceConfig(BaseModel):
     check_transitions: bool = Field(
         True,
         description="Refuse rollouts whose calls' policy version, adapter hash or template "
-        "fingerprint disagree with the run's record (counted as rollout/provenance_refused).",
+        "fingerprint disagree with the run's record, or lack one it expects (counted as "
+        "rollout/provenance_refused).",
     )
     probe: bool = Field(
         True,
@@ -98,21 +103,25 @@ class ProvenanceRecord(BaseModel):
 
     def disagreement(self, t: Transition) -> str | None:
         """Why `t` does not match this record (one of the reason constants), or None. A value
-        the span did not carry (an older store, an OTLP source without our gateway) is not
-        checked: only a recorded value that disagrees refuses a transition."""
+        the record expects and the call lacks refuses it too (MISSING_PROVENANCE): the policy
+        version always; the adapter hash where the version declared one; the template
+        fingerprint where the record has one."""
         version = t.policy_version
-        if version is not None and version != self.base_model:
+        if version is None:
+            return MISSING_PROVENANCE
+        if version != self.base_model:
             if version not in self.versions:
                 return UNKNOWN_VERSION
             expected = self.versions[version]
-            if expected is not None and t.adapter_hash not in (None, expected):
+            if expected is not None and t.adapter_hash is None:
+                return MISSING_PROVENANCE
+            if expected is not None and t.adapter_hash != expected:
                 return ADAPTER_MISMATCH
-        if (
-            self.template_fingerprint is not None
-            and t.template_fingerprint is not None
-            and t.template_fingerprint != self.template_fingerprint
-        ):
-            return TEMPLATE_MISMATCH
+        if self.template_fingerprint is not None:
+            if t.template_fingerprint is None:
+                return MISSING_PROVENANCE
+            if t.template_fingerprint != self.template_fingerprint:
+                return TEMPLATE_MISMATCH
         return None
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lightning_core.errors import InvalidInput
+from lightning_core.errors import Forbidden, InvalidInput
 
 if TYPE_CHECKING:
     from lightning_core.backends.base import Backend
@@ -115,11 +115,26 @@ class Routed:
         """The adapter that answers a call asking for `model` (None: the base model), picked
         once per call: the routing's version for champion/challenger (the canary's split by
         episode), else adapter_for. Noted on `ctx` for the span and the answer's header."""
+        self.check_policy(model, ctx)
         routed = self.routing.resolve(model, ctx.episode_id)
         adapter = await self.adapter_for(routed or model, ctx.agent_name)
         await self.template_fingerprint()  # for the call's span
         ctx.policy_version = adapter or self.backend.base_model
         return adapter
+
+    def check_policy(self, model: str, ctx: CallContext) -> None:
+        """Forbidden for a call under a rollout attempt that asks for another model than the
+        policy version its rollout is meant for (the runner hands the agent that name). Else an
+        agent could sample from any published version, or the base model, inside a rollout of
+        another, and its calls would pass provenance: each names the version that answered."""
+        if ctx.rollout_id is None or self.store is None:
+            return
+        meant = self.store.rollout_policy(ctx.rollout_id)
+        if meant is not None and model != meant:
+            raise Forbidden(
+                f"rollout {ctx.rollout_id} is meant for policy version {meant!r}: its calls "
+                f"may ask for model {meant!r} only, not {model!r}"
+            )
 
     async def apply_routing(self, routing: Routing) -> Routing:
         """Serve `routing` from now on. Each of its versions must be registered in the store;

@@ -37,7 +37,14 @@ from lightning_core.errors import IllegalTransition, InvalidInput, LightningErro
 from lightning_core.security.keys import agent_key
 from lightning_core.store.base import LightningStore
 from lightning_core.store.client import HttpStoreClient
-from lightning_core.types import AttemptStatus, Claim, LLMEndpoint, Rollout, Sampling
+from lightning_core.types import (
+    AttemptStatus,
+    Claim,
+    LLMEndpoint,
+    Rollout,
+    Sampling,
+    check_reward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -257,12 +264,14 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]
 def _as_reward(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    not_finite = isinstance(value, float) and not math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not_finite:
         raise InvalidInput(
             f"the agent returned {value!r}; an agent returns its reward as a finite number, or "
             "None after recording it with emit_reward"
         )
-    return float(value)
+    # The store would refuse it on completion; refused here, the message is the same.
+    return check_reward(value, "the reward the agent returned")
 
 
 def _one_line(text: str) -> str:

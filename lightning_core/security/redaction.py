@@ -6,6 +6,10 @@ that records the config (MLflow params, Prefect's flow-run parameters, log lines
 messages) shows it to whoever can read those. `redact` is the one function they pass text
 through: the URL keeps its scheme, user, host, path and query keys, so a reader still sees
 where it points.
+
+A setting can also be a credential by its name (`api_key` in a backend's options, a
+`webhook_secret`): `redact_values` and `redact_setting` mask the value of such a name whatever it
+holds, for the settings that travel as plain dicts, which no SecretStr types.
 """
 
 from __future__ import annotations
@@ -15,10 +19,33 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 MASK = "***"
+# What a recorded secret reads as: MASK, or pydantic's SecretStr in JSON. A value equal to one
+# of these is a record read back (a saved config, a deployment's parameters), never a key.
+MASKS = frozenset({MASK, "**********"})
 # Any scheme, SQLAlchemy's included (postgresql+psycopg2://), up to whitespace or a quote.
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 # Query keys whose values are credentials (access_token, api_key, X-Amz-Signature, ...).
 _SECRET_KEY = re.compile(r"token|key|pass|pwd|secret|sig|credential|auth", re.IGNORECASE)
+
+
+# Setting names whose values are credentials: api_key, webhook_secret, password, hf_token; not
+# max_tokens, api_key_env (a variable's name), key_file (a path) or tier_key (a field's name).
+_SECRET_NAME = re.compile(
+    r"(?:^|_)(?:api_key|secret|password|passwd|token|credentials?)$", re.IGNORECASE
+)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a setting called `name` holds a credential (api_key, webhook_secret, ...)."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def redact_setting(name: str, value: Any) -> Any:
+    """`value` as a record may show it: masked whole under a secret's name (is_secret_name),
+    else redacted as any value (redact_values)."""
+    if is_secret_name(name) and value not in (None, ""):
+        return MASK
+    return redact_values(value)
 
 
 def redact_url(url: str) -> str:
@@ -49,11 +76,12 @@ def redact(text: str) -> str:
 
 
 def redact_values(value: Any) -> Any:
-    """A JSON-like value (dicts, lists, strings, numbers) with every string redacted."""
+    """A JSON-like value (dicts, lists, strings, numbers) with every string redacted, and the
+    value of every key that names a secret masked whole."""
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
-        return {key: redact_values(item) for key, item in value.items()}
+        return {key: redact_setting(str(key), item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [redact_values(item) for item in value]
     return value

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr, field_validator
 
 BackendName = Literal["transformers", "vllm", "none"]
+# The backend options that are credentials: the SecretStr fields of the backends' configs
+# (VLLMBackendConfig.api_key). Named here, as the backends sit above this module.
+SECRET_OPTIONS = frozenset({"api_key"})
 
 
 class ServerConfig(BaseModel):
@@ -52,18 +55,40 @@ class ServerConfig(BaseModel):
         default_factory=dict,
         description="More fields of the backend's config, as a JSON object: "
         "TransformersBackendConfig (max_batch_size, device, dtype, threads, ...) or "
-        "VLLMBackendConfig (max_model_len, kv_cache_space_gb, max_loras, extra_args, ...).",
+        "VLLMBackendConfig (max_model_len, kv_cache_space_gb, max_loras, extra_args, ...). "
+        "A secret among them (vLLM's api_key) is held as one: '**********' wherever the config "
+        "is recorded, and given to the server by its environment; better, name the variable "
+        "that holds it (api_key_env), which a recorded run can be started again from.",
     )
+
+    @field_validator("backend_options")
+    @classmethod
+    def _secrets_held_as_secrets(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # A dict has no field types, so the backend config's SecretStr does not apply until the
+        # server builds it: until then the key is typed here, and shows as '**********' in the
+        # MLflow params, the Prefect parameters, the run folder's config and any log line.
+        return {
+            name: SecretStr(value) if name in SECRET_OPTIONS and isinstance(value, str) else value
+            for name, value in options.items()
+        }
 
 
 # Fields that travel in the environment, never on the command line, which any user of the
-# machine can read: a password inside a URL (http://user:pass@host) stays private.
-_BY_ENVIRONMENT = {"vllm_url": "LIGHTNING_VLLM_URL"}
+# machine can read: a password inside a URL (http://user:pass@host) stays private, and so do
+# backend options that hold a secret (serve reads LIGHTNING_<FIELD> as it reads the flag).
+_BY_ENVIRONMENT = {"vllm_url"}
+
+
+def _revealed(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def serve_options(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
     """`lightning-rl serve`'s options for `config` (the fields set away from their defaults),
-    and the environment variables that carry the rest."""
+    and the environment variables that carry the rest: what may hold a secret is never an
+    option, since every user of the machine can read a command line."""
     options: list[str] = []
     env: dict[str, str] = {}
     defaults = ServerConfig()
@@ -71,9 +96,12 @@ def serve_options(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
         value = getattr(config, name)
         if value == getattr(defaults, name) and name != "host":
             continue
-        text = json.dumps(value) if isinstance(value, dict) else str(value)
-        if name in _BY_ENVIRONMENT:
-            env[_BY_ENVIRONMENT[name]] = text
+        text = json.dumps(value, default=_revealed) if isinstance(value, dict) else str(value)
+        holds_secret = isinstance(value, dict) and any(
+            isinstance(v, SecretStr) for v in value.values()
+        )
+        if name in _BY_ENVIRONMENT or holds_secret:
+            env[f"LIGHTNING_{name.upper()}"] = text
         else:
             options += ["--" + name.replace("_", "-"), text]
     return options, env

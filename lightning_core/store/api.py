@@ -92,6 +92,9 @@ class Endpoint:
     status_code: int | None = None
     status_of: Callable[[Any], int] | None = None
     responses: dict[int | str, Any] = field(default_factory=dict)
+    # The body's list field whose items are validated off the event loop, a slice at a time
+    # (routes.py): a write of thousands of them would hold the loop for tens of milliseconds.
+    chunked: str | None = None
 
     @cached_property
     def path_params(self) -> tuple[str, ...]:
@@ -173,7 +176,7 @@ FAIL = Endpoint(
 
 ADD_SPANS = Endpoint(
     "add_spans", "POST", "/store/spans",
-    calls="add_spans", body=SpansBody, response=Count, wrap="count",
+    calls="add_spans", body=SpansBody, response=Count, wrap="count", chunked="spans",
 )
 QUERY_SPANS = Endpoint(
     "query_spans", "POST", "/store/spans/query",

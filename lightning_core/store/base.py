@@ -37,6 +37,10 @@ class SpanRecorder(Protocol):
         """Record spans without waiting for the disk; they are durable shortly after."""
         ...
 
+    def rollout_policy(self, rollout_id: str) -> str | None:
+        """The policy version a rollout is meant for; None: any (or no such rollout)."""
+        ...
+
     async def get_policy_version(self, name: str) -> PolicyVersion: ...
 
     async def open_episode(

@@ -14,8 +14,8 @@ How it stays fast and durable at once:
 On start the live state is rebuilt from the latest row of each rollout and attempt in the logs.
 
 Parts of the class live beside it: policy versions (policies.py), production episodes and their
-feedback (episodes.py), their archiving (retention.py), transitions (transitions.py), and the
-paging of read queries (pages.py).
+feedback (episodes.py), their archiving (retention.py), transitions (transitions.py), the
+paging of read queries (pages.py), and the refusals and quotas of untrusted spans (guards.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import math
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +40,7 @@ from lightning_core.store import schema
 from lightning_core.store.base import AttemptSelector
 from lightning_core.store.config import StoreConfig
 from lightning_core.store.episodes import PRODUCTION_WORKER, EpisodeStore
+from lightning_core.store.guards import StoreGuards
 from lightning_core.store.pages import read_cursor
 from lightning_core.store.policies import PolicyVersionStore
 from lightning_core.store.retention import RetentionStore
@@ -55,6 +55,7 @@ from lightning_core.types import (
     RolloutRequest,
     RolloutStatus,
     Span,
+    check_reward,
     new_id,
     now,
 )
@@ -80,7 +81,7 @@ class _Signal:
             await asyncio.wait_for(self._event.wait(), timeout)
 
 
-class DuckDBStore(PolicyVersionStore, EpisodeStore, RetentionStore, TransitionStore):
+class DuckDBStore(PolicyVersionStore, EpisodeStore, RetentionStore, TransitionStore, StoreGuards):
     """LightningStore backed by a DuckDB file (or ':memory:' for tests)."""
 
     def __init__(self, config: StoreConfig | None = None, **overrides: Any) -> None:
@@ -358,8 +359,8 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore, RetentionStore, TransitionSt
 
     async def complete_attempt(self, attempt_id: str, reward: float | None = None) -> Rollout:
         self._start_background()
-        if reward is not None and not math.isfinite(reward):
-            raise InvalidInput(f"reward must be a finite number, got {reward}")
+        if reward is not None:
+            check_reward(reward, "the attempt's reward", self.config.max_abs_reward)
         attempt, rollout = self._running_attempt(attempt_id)
         rollout.status.check_move(RolloutStatus.succeeded, f"rollout {rollout.rollout_id}")
         t = now()
@@ -463,7 +464,8 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore, RetentionStore, TransitionSt
     # ------------------------------------------------------------------ spans
 
     async def add_spans(self, spans: Sequence[Span]) -> int:
-        staged = self._stage_spans(spans)
+        # Spans an attempt's writers send count against its quotas; the gateway's (below) don't.
+        staged = self._stage_within_quotas(spans)
         await self._sync()
         return staged
 
@@ -507,12 +509,8 @@ class DuckDBStore(PolicyVersionStore, EpisodeStore, RetentionStore, TransitionSt
                 )
             if span.name == semconv.REWARD_SPAN:
                 value = span.attributes.get(semconv.REWARD_VALUE)
-                is_number = isinstance(value, int | float) and not isinstance(value, bool)
-                if not is_number or not math.isfinite(value):
-                    raise InvalidInput(
-                        f"reward span {span.span_id} needs a finite number in "
-                        f"{semconv.REWARD_VALUE!r}, got {value!r}"
-                    )
+                what = f"reward span {span.span_id}'s {semconv.REWARD_VALUE!r}"
+                check_reward(value, what, self.config.max_abs_reward)
         t = now()
         staged = 0
         for span in spans:

@@ -23,7 +23,7 @@ import orjson
 from pydantic import BaseModel, Field
 
 from lightning_core.errors import Conflict, InvalidInput, NotFound
-from lightning_core.store import schema
+from lightning_core.store import quotas, schema
 from lightning_core.types import (
     MAX_METADATA_BYTES,
     Attempt,
@@ -34,7 +34,10 @@ from lightning_core.types import (
     RolloutMode,
     RolloutStatus,
     check_payload_size,
+    check_reward,
     episode_rollout_id,
+    finite_mean,
+    finite_variance,
     new_id,
     now,
 )
@@ -50,7 +53,10 @@ class VersionFeedback(BaseModel):
     policy_version: str = Field(description="The version that served the episodes.")
     episodes: int = Field(description="Episodes with feedback it served (in the window).")
     mean: float = Field(description="Mean of their feedback values.")
-    variance: float = Field(description="Sample variance of their values (n - 1; 0 for one).")
+    variance: float = Field(
+        description="Sample variance of their values (n - 1; 0 for one), at most the largest "
+        "float (values stored before the reward range was checked can square past it)."
+    )
 
 
 # The worker id of every production episode's attempt: no runner claims it.
@@ -98,6 +104,19 @@ class EpisodeStore:
         for row in state["feedback"]:
             feedback = Feedback.model_validate(row)
             self._feedback[(feedback.episode_id, feedback.source)] = (feedback, 0)
+        # What production holds in memory, for its bounds (quotas.py): the live episodes, the
+        # sources of each episode with feedback, and the bytes of labels (an episode's metadata,
+        # its feedback's metadata and comments). Kept up to date by every write and archive.
+        self._live_episodes = 0
+        self._labels_held = 0
+        for rollout in self._rollouts.values():
+            if rollout.mode is RolloutMode.production:
+                self._live_episodes += 1
+                self._labels_held += quotas.labels_bytes(rollout.metadata)
+        self._sources: dict[str, int] = {}
+        for (episode_id, _source), (feedback, _written) in self._feedback.items():
+            self._sources[episode_id] = self._sources.get(episode_id, 0) + 1
+            self._labels_held += quotas.feedback_bytes(feedback)
 
     def _episode(self, episode_id: str) -> Rollout:
         rollout = self._rollouts.get(episode_rollout_id(episode_id))
@@ -123,11 +142,20 @@ class EpisodeStore:
     ) -> Attempt:
         """The attempt recording production episode `episode_id`, created by the first call:
         rollout `ep-<id>` (mode production, running) with one attempt. Later calls return that
-        attempt, whatever they pass; durable before it returns."""
+        attempt, whatever they pass; durable before it returns. A new episode past the store's
+        max_live_episodes, or with labels past max_episode_metadata_bytes, is refused
+        (RateLimited, 429): quotas.py."""
         self._start_background()
         rollout_id = episode_rollout_id(episode_id)
         if (rollout := self._rollouts.get(rollout_id)) is None:
             check_payload_size(metadata or {}, "metadata", MAX_METADATA_BYTES)
+            labels = {**(metadata or {}), **({"agent_name": agent_name} if agent_name else {})}
+            size = quotas.labels_bytes(labels)
+            quotas.check_live_episodes(self._live_episodes, self.config)
+            # An episode its caller gave no labels (the gateway's) is never refused for them:
+            # its agent name alone is a few bytes, bounded with the count of episodes.
+            what = f"episode {episode_id!r}"
+            quotas.check_labels(self._labels_held, size if metadata else 0, what, self.config)
             t = now()
             rollout = Rollout(
                 rollout_id=rollout_id,
@@ -138,7 +166,7 @@ class EpisodeStore:
                 attempt_count=1,
                 enqueued_at=t,
                 started_at=t,
-                metadata={**(metadata or {}), **({"agent_name": agent_name} if agent_name else {})},
+                metadata=labels,
             )
             attempt = Attempt(
                 attempt_id=new_id("at"),
@@ -156,6 +184,8 @@ class EpisodeStore:
             self._log_rollout(rollout)
             self._log_attempt(attempt)
             self._episode_written[rollout_id] = self._written
+            self._live_episodes += 1
+            self._labels_held += size
         elif rollout.mode is not RolloutMode.production:
             raise Conflict(f"rollout {rollout_id} exists and is not a production episode")
         self._episode_active[rollout_id] = now()
@@ -205,13 +235,15 @@ class EpisodeStore:
     async def add_feedback(self, episode_id: str, feedback: FeedbackIn) -> FeedbackReceipt:
         """Record a reward for an episode; one value counts per (episode, source), the newest.
         The same value and comment again is "unchanged" (no new row): a resent feedback is
-        recorded once.
+        recorded once. A value outside the reward range (max_abs_reward) is refused, and so is
+        a new source past max_feedback_sources, or labels past max_episode_metadata_bytes.
 
         Feedback that arrives while a call of the episode is in flight waits for the call's span
         (up to feedback_wait_s): its seq then comes after the span, and it returns once both
         are on disk, so a training run that reads the feedback finds the episode whole."""
         self._start_background()
         self._episode(episode_id)
+        check_reward(feedback.value, "the feedback's value", self.config.max_abs_reward)
         await self._calls_done(episode_rollout_id(episode_id))
         self._episode(episode_id)  # archived while it waited: unknown now
         key = (episode_id, feedback.source)
@@ -221,6 +253,14 @@ class EpisodeStore:
             if row.value == feedback.value and row.comment == feedback.comment:
                 await self._sync(written)
                 return FeedbackReceipt(feedback=row.model_copy(deep=True), status="unchanged")
+        else:
+            quotas.check_sources(episode_id, self._sources.get(episode_id, 0), self.config)
+        # A replaced row's labels leave memory as the new row's enter it.
+        grows = quotas.feedback_bytes(feedback) - (
+            quotas.feedback_bytes(current[0]) if current is not None else 0
+        )
+        where = f"feedback on episode {episode_id!r}"
+        quotas.check_labels(self._labels_held, grows, where, self.config)
         t = now()
         self._feedback_seq += 1
         row = Feedback(
@@ -235,6 +275,9 @@ class EpisodeStore:
         )
         self._log(schema.FEEDBACK, schema.feedback_row(row))
         self._feedback[key] = (row, self._written)
+        self._labels_held += grows
+        if current is None:
+            self._sources[episode_id] = self._sources.get(episode_id, 0) + 1
         self._episode_active[episode_rollout_id(episode_id)] = t
         await self._sync()
         status = "recorded" if current is None else "replaced"
@@ -314,7 +357,7 @@ class EpisodeStore:
                 continue
             if since is not None and (rollout.started_at or 0.0) < since:
                 continue
-            value = sum(r.value for r in rows) / len(rows)
+            value = finite_mean([r.value for r in rows])
             newest = max(r.recorded_at for r in rows)
             per_version.setdefault(rollout.policy_version, []).append((newest, value))
         await self._sync()
@@ -322,8 +365,10 @@ class EpisodeStore:
         for version, items in sorted(per_version.items()):
             items.sort(reverse=True)
             values = [v for _, v in items[:window]]
-            mean = sum(values) / len(values)
-            variance = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+            # Finite for any finite values (a 500 on every read otherwise, as long as a value
+            # of 1e200 stored before the reward range was checked is in the window).
+            mean = finite_mean(values)
+            variance = finite_variance(values)
             answer.append(
                 VersionFeedback(
                     policy_version=version, episodes=len(values), mean=mean, variance=variance

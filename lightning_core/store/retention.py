@@ -30,6 +30,7 @@ import orjson
 
 from lightning_core.errors import Conflict, InvalidInput
 from lightning_core.store.bodies import ArchiveReport
+from lightning_core.store.quotas import feedback_bytes, labels_bytes
 from lightning_core.types import EPISODE_ROLLOUT_PREFIX, Attempt, Feedback, Rollout, now
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ class RetentionStore:
     _episode_written: dict[str, int]
     _episode_active: dict[str, float]
     _feedback: dict[tuple[str, str], tuple[Feedback, int]]
+    _sources: dict[str, int]
+    _live_episodes: int
+    _labels_held: int
     _log_seq: int
     _span_seq: int
     _feedback_seq: int
@@ -161,14 +165,20 @@ class RetentionStore:
             active = self._episode_active.get(rollout_id, 0.0) >= cutoff
             if active or rollout_id not in self._rollouts:
                 continue
-            del self._rollouts[rollout_id]
+            rollout = self._rollouts.pop(rollout_id)
+            # What it held counts no more against the store's bounds (quotas.py).
+            self._live_episodes -= 1
+            self._labels_held -= labels_bytes(rollout.metadata)
+            episode_id = rollout_id.removeprefix(EPISODE_ROLLOUT_PREFIX)
+            self._sources.pop(episode_id, None)
             for attempt_id in self._attempts_of.pop(rollout_id, ()):
                 self._attempts.pop(attempt_id, None)
             self._episode_written.pop(rollout_id, None)
             self._episode_active.pop(rollout_id, None)
             # Feedback given since the pass made the episode active: these are all its keys.
-            for key in sources.get(rollout_id.removeprefix(EPISODE_ROLLOUT_PREFIX), ()):
-                self._feedback.pop(key, None)
+            for key in sources.get(episode_id, ()):
+                if (held := self._feedback.pop(key, None)) is not None:
+                    self._labels_held -= feedback_bytes(held[0])
             sealed.append(rollout_id)
         # The rollout order keeps their ids (paging positions must not move); reads skip ids
         # without a rollout.

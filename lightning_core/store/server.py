@@ -10,6 +10,7 @@ in their API's own shape (lightning_core/app.py joins the two).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -58,16 +59,23 @@ def _span_attempt(request: Request) -> str | None:
     return request.scope.get("state", {}).get(SPAN_ATTEMPT)
 
 
-@asynccontextmanager
-async def _own_spans(request: Request, body: BaseModel):
-    """An agent's key writes its own attempt's spans only."""
-    check_span_owner(_span_attempt(request), (span.attempt_id for span in body.spans))
-    yield
+def _check_writer(store: DuckDBStore, request: Request, spans: Sequence[Span]) -> None:
+    """An agent's key writes its own attempt's spans only, and none of the attributes only the
+    gateway writes (store/guards.py): its calls are recorded by the gateway, not by itself."""
+    attempt = _span_attempt(request)
+    check_span_owner(attempt, (span.attempt_id for span in spans))
+    store.check_agent_spans(attempt, spans)
 
 
-def _wrappers(publishing: Publishing | None) -> dict[api.Endpoint, Wrapper]:
+def _wrappers(store: DuckDBStore, publishing: Publishing | None) -> dict[api.Endpoint, Wrapper]:
     """What the server does around some endpoints' store calls, beyond the table's call."""
-    wrappers: dict[api.Endpoint, Wrapper] = {api.ADD_SPANS: _own_spans}
+
+    @asynccontextmanager
+    async def own_spans(request: Request, body: BaseModel):
+        _check_writer(store, request, body.spans)
+        yield
+
+    wrappers: dict[api.Endpoint, Wrapper] = {api.ADD_SPANS: own_spans}
     if publishing is not None:
         wrappers[api.ADD_POLICY_VERSION] = lambda _request, version: publishing(version)
     return wrappers
@@ -101,6 +109,11 @@ def create_store_app(
     async def lifespan(_: FastAPI):
         if on_start is not None:
             await on_start()
+        # What the server loaded to start (the model and its tokenizer, the frameworks' modules,
+        # the routes) lives as long as it does: out of the cyclic GC's reach, as the store's
+        # state is (duckdb_store.py). Else each full collection walks it all: 190 ms stalls of
+        # every request, /health too, whenever a burst of spans set one off (issue 43).
+        gc.freeze()
         yield
         if on_close is not None:
             await on_close()
@@ -158,10 +171,12 @@ def create_store_app(
             "policy_versions": len(await store.list_policy_versions()),
             # This request included.
             "requests_in_flight": app.state.requests_in_flight,
+            # Span writes refused by reason (store/guards.py): forged call attributes, quotas.
+            "spans_refused": dict(store.spans_refused),
             **(details() if details is not None else {}),
         }
 
-    add_store_routes(app, store, _wrappers(publishing))
+    add_store_routes(app, store, _wrappers(store, publishing))
 
     @app.post(
         "/v1/traces",
@@ -204,7 +219,7 @@ def create_store_app(
         spans = await anyio.to_thread.run_sync(
             decompress_and_decode, await request.body(), limiter=decoders
         )
-        check_span_owner(_span_attempt(request), (span.attempt_id for span in spans))
+        _check_writer(store, request, spans)
         await store.add_spans(spans)
         if content_type == "application/json":
             return json_response({})

@@ -16,7 +16,6 @@ from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
-from pydantic import SecretStr
 
 from lightning_core.backends.base import (
     Choice,
@@ -111,9 +110,7 @@ class VLLMBackend:
                 )
                 await self._server.start()
                 self.url = self._server.url
-            key = self._server.api_key if self._server is not None else self.config.api_key
-            if isinstance(key, SecretStr):
-                key = key.get_secret_value()
+            key = self._server.api_key if self._server is not None else self.config.secret_key()
             self._session = aiohttp.ClientSession(
                 # The server's key on every request (server.py says why).
                 headers=bearer_header(key),

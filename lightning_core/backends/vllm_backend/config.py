@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, SecretStr
+import os
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from lightning_core.errors import BackendUnavailable
+from lightning_core.security.redaction import MASKS
 
 
 class VLLMUnavailable(BackendUnavailable):
@@ -43,7 +46,15 @@ class VLLMBackendConfig(BaseModel):
         None,
         description="Key of the vLLM server: sent on every request to an attached one; a "
         "launched one requires it (VLLM_API_KEY in its environment, never its command line). "
-        "None: a launched server gets a fresh key each launch, which only this backend knows.",
+        "None: a launched server gets a fresh key each launch, which only this backend knows. "
+        "Shown as '**********' wherever a config is recorded.",
+    )
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the key, instead of api_key: what is recorded "
+        "(MLflow params, Prefect parameters, a run's saved config) names the variable, never "
+        "the key, so a deployment run or a resumed run finds the key again.",
     )
     port: int | None = Field(
         None, ge=1, le=65535, description="Port of the launched server; None: a free one."
@@ -89,3 +100,31 @@ class VLLMBackendConfig(BaseModel):
         description="Times a launched server that died is started again (same port, same "
         "adapters) before the backend gives up and answers 503 for good.",
     )
+
+    @model_validator(mode="after")
+    def _key_from_where_it_is_kept(self) -> VLLMBackendConfig:
+        given = self.api_key.get_secret_value() if self.api_key is not None else None
+        if given in MASKS:
+            # A run started again from what was recorded of it: the key was never recorded.
+            raise ValueError(
+                f"api_key is {given!r}, the record of a key, not a key (a resumed run's saved "
+                "config or a deployment's parameters): give the key again, or name the "
+                "variable that holds it in api_key_env"
+            )
+        if self.api_key_env is not None:
+            if given:
+                raise ValueError("give the vLLM key as api_key or as api_key_env, not both")
+            self.secret_key()  # a variable that is not set fails here, in one line
+        return self
+
+    def secret_key(self) -> str | None:
+        """The key chosen for the server: api_key's, or the value of the variable api_key_env
+        names (read when asked, never kept in the config); None: none chosen."""
+        if self.api_key_env is None:
+            return self.api_key.get_secret_value() if self.api_key is not None else None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(
+                f"api_key_env names {self.api_key_env}, which is not set in this process"
+            )
+        return key

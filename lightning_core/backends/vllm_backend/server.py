@@ -49,8 +49,7 @@ class VLLMServer:
         # vLLM asks every /v1 request for this key: any local process could otherwise call the
         # server past the gateway's key and limits, and load adapters from any folder. Kept
         # across restarts, so that the backend's requests in flight keep their key.
-        configured = config.api_key.get_secret_value() if config.api_key else ""
-        self.api_key = configured or secrets.token_urlsafe(32)
+        self.api_key = config.secret_key() or secrets.token_urlsafe(32)
         self._process: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -79,11 +78,11 @@ class VLLMServer:
                     f"{flag} in extra_args would replace the launched server's key or bind; "
                     f"set the backend's {field} instead"
                 )
-        if not is_loopback(self.config.host) and not self.config.api_key:
+        if not is_loopback(self.config.host) and not self.config.secret_key():
             raise InvalidInput(
                 f"refusing to launch vLLM on {self.config.host} without a key of your choosing: "
-                "set the backend's api_key (the clients on other machines need it), or leave "
-                "host at 127.0.0.1"
+                "set the backend's api_key or api_key_env (the clients on other machines need "
+                "it), or leave host at 127.0.0.1"
             )
 
     async def restart(self) -> None:
