@@ -20,7 +20,8 @@ workload runs twice:
    - span floods: 4,000-span requests on that attempt, past its quota
      (LIGHTNING_MAX_SPANS_PER_ATTEMPT);
    - feedback out of range: 1e200 on an episode, then GET /serving/routing (both answers);
-   - feedback sources: a new source on one episode each time, past LIGHTNING_MAX_FEEDBACK_SOURCES;
+   - feedback sources: bursts of new sources on one episode, past LIGHTNING_MAX_FEEDBACK_SOURCES
+     (a burst's answer is its last one);
    - episode floods: new production episodes, with 60 KiB of metadata each and with none, past
      the server's bounds on labels and live episodes in memory (set low here, EPISODE_LIMITS,
      so that both are reached within the run; the well-behaved workload opens no episode).
@@ -83,6 +84,7 @@ IDLE_SOCKETS = 1_000
 CUT_DECLARED, CUT_SENT = 20 * 2**20, 10 * 2**20
 LONG_POLLS, LONG_POLL_IDS = 16, 10_000
 FLOOD_SPANS = 4_000
+FEEDBACK_BURST = 20
 EPISODE_METADATA_BYTES = 60 * 1024
 # The abuse server's bounds on production episodes in memory: low, so that the flood reaches
 # them in a minute (the defaults, 1,000,000 and 1 GiB, are a year of traffic).
@@ -325,8 +327,13 @@ async def hostile_mix(url: str, port: int, model: str, deadline: float) -> Hosti
         return f"{sent.status_code}/{routing.status_code}"
 
     async def feedback_sources() -> int:
-        body = {"value": 1.0, "source": f"source-{next(sources)}"}
-        return (await http.post(f"/episodes/{feedback_episode}/feedback", json=body)).status_code
+        # A burst of new sources each time, so that even a short run passes the limit (16).
+        for _ in range(FEEDBACK_BURST):
+            body = {"value": 1.0, "source": f"source-{next(sources)}"}
+            sent = await http.post(f"/episodes/{feedback_episode}/feedback", json=body)
+            if sent.status_code >= 300:
+                break
+        return sent.status_code
 
     episodes = iter(range(10**9))
     labels = orjson.dumps({"metadata": {"notes": "x" * EPISODE_METADATA_BYTES}})
