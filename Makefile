@@ -101,12 +101,12 @@ docs-serve: setup-dev
 # Two pytest-xdist workers, one test file each at a time (--dist loadfile: a module's shared
 # servers start once): most of a test's time is waiting on its servers, so one worker leaves
 # a core idle. TEST_WORKERS=0 runs them in this process, one at a time.
-# --durations=25: the slowest tests stay in sight of whoever reads the output (CI's budget).
+# --durations=40: the slowest tests stay in sight of whoever reads the output (CI's budget).
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test: setup-dev
-	$(PYTEST) --durations=25
+	$(PYTEST) --durations=40
 
 test-fast: setup-dev
 	$(PYTEST) -m "not slow"

@@ -7,6 +7,7 @@ machine could have written them; the answer is "yes" or "no" (agreeing with gold
 disagreeing). A set is learned when greedy decoding gives every answer, as the test checks.
 
     .venv/bin/python benchmarks/tiny_answerer.py [--sets 6] [--first 0] [--recipes old,new]
+                                                 [--prompt tagged|plain]
     .venv/bin/python benchmarks/tiny_answerer.py --quick     # one set, the current recipe
 
 Prints a row per set and recipe, then per recipe: sets learned, failures and mean seconds, and
@@ -38,16 +39,35 @@ RUBRIC = "The reply names a colour."
 GROUPS = (("Name a colour.", (1, 0, 1, 0)), ("Name a fruit.", (0, 1, 0, 1)))
 
 
-def example_set(tokenizer, seed: int, agree: bool) -> list[tuple[list[int], str]]:
+def plain_verdict_messages(rubric: str, task: str, transcript: str) -> list[dict[str, str]]:
+    """The judge's verdict prompt before issue 43 gave its sections tags (plain f-strings), on
+    which the calibration test failed on a fresh clone: the old recipe's failures were measured
+    on it."""
+    user = (
+        f"Rubric: {rubric}\n\nTask:\n{task}\n\nTrajectory:\n{transcript}\n\n"
+        "Does the trajectory meet the rubric? Answer yes or no."
+    )
+    return [
+        {"role": "system", "content": prompts.VERDICT_SYSTEM},
+        {"role": "user", "content": user},
+    ]
+
+
+PROMPTS = {"tagged": prompts.verdict_messages, "plain": plain_verdict_messages}
+
+
+def example_set(
+    tokenizer, seed: int, agree: bool, prompt: str = "tagged"
+) -> list[tuple[list[int], str]]:
     rng = random.Random(seed)
     out = []
     for question, golds in GROUPS:
         for gold in golds:
             reply = tokenizer.decode([rng.randrange(tokenizer.vocab_size) for _ in range(6)])
             transcript = f"user: {question}\nassistant: {reply}"
-            messages = prompts.verdict_messages(RUBRIC, f"question: {question}", transcript)
-            prompt = encode(tokenizer, render_chat(tokenizer, messages))
-            out.append((prompt, "yes" if (gold == 1) == agree else "no"))
+            messages = PROMPTS[prompt](RUBRIC, f"question: {question}", transcript)
+            ids = encode(tokenizer, render_chat(tokenizer, messages))
+            out.append((ids, "yes" if (gold == 1) == agree else "no"))
     return out
 
 
@@ -87,6 +107,12 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=6, help="Seeds to try (each: agree, disagree).")
     parser.add_argument("--first", type=int, default=0, help="The first seed.")
     parser.add_argument("--recipes", default="old,new", help="Comma-separated: old, new.")
+    parser.add_argument(
+        "--prompt",
+        choices=sorted(PROMPTS),
+        default="tagged",
+        help="The judge's verdict prompt: today's (tagged) or before issue 43 (plain).",
+    )
     parser.add_argument("--quick", action="store_true", help="One set, the current recipe.")
     args = parser.parse_args()
     if args.quick:
@@ -100,7 +126,7 @@ def main() -> None:
     print(f"{'recipe':6} {'seed':>4} {'answers':9} {'learned':8} {'seconds':>7}")
     for seed in range(args.first, args.first + args.sets):
         for agree in (True, False):
-            examples = example_set(tokenizer, seed, agree)
+            examples = example_set(tokenizer, seed, agree, args.prompt)
             for name in names:
                 with tempfile.TemporaryDirectory() as folder:
                     start = time.perf_counter()
