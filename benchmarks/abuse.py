@@ -68,6 +68,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 
 from benchmarks.abuse_training import hostile_training  # noqa: E402
 from benchmarks.abuse_training import report as training_report  # noqa: E402
+from benchmarks.results import record, record_printed  # noqa: E402
 from benchmarks.soak import Client, Tally, _pct  # noqa: E402
 from lightning_core import semconv  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
@@ -488,11 +489,19 @@ def main(argv: list[str] | None = None) -> int:
             rss_mb = psutil.Process(server.pid).memory_info().rss / 2**20
         finally:
             stop_serve(server)
-        print(report(phases))
-        print(f"abuse_server_rss_mb: {rss_mb:.0f}")
+        # A shorter attack or some kinds only (`--only`) make figures of their own.
+        default = (args.seconds, args.baseline, args.only) == (60.0, 30.0, None)
+        shape = f"{args.seconds:g} s, baseline {args.baseline:g} s, kinds {args.only or 'all'}"
+        variant = None if default else shape
+        text = report(phases)
+        print(text)
+        record_printed(text, "abuse_", variant=variant)
+        record("abuse_server_rss_mb", f"{rss_mb:.0f}", variant=variant)
         training = None if args.no_training else hostile_training(Path(tmp))
     if training is not None:
-        print("\n" + "\n".join(training_report(training)))
+        lines = "\n".join(training_report(training))
+        print("\n" + lines)
+        record_printed(lines, "training_", variant=variant)
     attacked = phases[-1]
     failed = attacked.tally.error_count or attacked.health_failures
     return 1 if failed or (training is not None and training.stopped) else 0

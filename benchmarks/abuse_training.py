@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.abuse_agents import ATTACK_LOG_ENV  # noqa: E402
 from benchmarks.quick_train import QUICK_FLAGS, run_env, train_command  # noqa: E402
+from benchmarks.results import record_printed  # noqa: E402
 
 FLAGS = (
     *QUICK_FLAGS,
@@ -119,7 +120,9 @@ def report(result: TrainingAbuse) -> list[str]:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="lightning-abuse-train-") as tmp:
         result = hostile_training(Path(tmp))
-    print("\n".join(report(result)))
+    text = "\n".join(report(result))
+    print(text)
+    record_printed(text, "training_")
     return 1 if result.stopped or result.forged_transitions else 0
 
 

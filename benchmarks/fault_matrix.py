@@ -22,6 +22,11 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.results import record  # noqa: E402
+
 FIELDS = ("name", "injected", "outcome")
 
 
@@ -164,7 +169,10 @@ def main() -> int:
     if options.collect_only:
         print(f"fault_rows: {len(rows)}")
     else:
-        print(f"faults_survived: {sum(r.survived for r in rows)}/{len(rows)}")
+        # A run of some rows only (pytest's own options, `-k`) is a figure of its own.
+        variant = " ".join(pytest_args) or None
+        survived = f"{sum(r.survived for r in rows)}/{len(rows)}"
+        record("faults_survived", survived, variant=variant)
     for problem in plugin.problems:
         print(f"error: {problem}", file=sys.stderr)
     if plugin.problems:

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.offline_gate import batch  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 from lightning_core.algo.config import LoRAConfig, TrainerConfig  # noqa: E402
 from lightning_core.algo.frozen import FrozenActivations  # noqa: E402
 from lightning_core.algo.trainer import LoRATrainer  # noqa: E402
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {i} | {a:.1f} | {b:.1f} |")
     print(f"| all | {sum(whole_s):.1f} | {sum(replay_s):.1f} |")
     later = sum(replay_s[1:]) / sum(whole_s[1:]) if args.epochs > 1 else 1.0
-    print(f"frozen_replay_later_epoch_saved_frac: {1 - later:.2f}")
-    print(f"frozen_replay_time_saved_frac: {1 - sum(replay_s) / sum(whole_s):.2f}")
+    record("frozen_replay_later_epoch_saved_frac", f"{1 - later:.2f}", save=not args.quick)
+    saved = 1 - sum(replay_s) / sum(whole_s)
+    record("frozen_replay_time_saved_frac", f"{saved:.2f}", save=not args.quick)
     print(f"max_abs_diff: {diff:.2e}")
 
 

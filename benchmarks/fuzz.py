@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core.gateway.errors import is_anthropic_path, is_gateway_path  # noqa: E402
 from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
 
@@ -395,12 +396,20 @@ def main() -> None:
         print(f"check failure: {line}")
     for line in report.hangs:
         print(f"hang or transport error: {line}")
-    print(f"fuzz_seconds: {report.seconds:.0f}")
-    print(f"fuzz_requests: {report.requests}")
-    print(f"fuzz_server_errors: {report.server_errors}")
-    print(f"fuzz_check_failures: {len(report.failures)}")
-    print(f"fuzz_hangs: {len(report.hangs)}")
-    print(f"fuzz_server_alive: {'yes' if alive else 'no'}")
+    # Fewer examples (the tests' short run) or other settings make figures of their own.
+    settings = (args.max_examples, args.seed, args.workers)
+    variant = (
+        None if settings == (20, 0, 1) else "examples {}, seed {}, workers {}".format(*settings)
+    )
+    for name, value in (
+        ("fuzz_seconds", f"{report.seconds:.0f}"),
+        ("fuzz_requests", report.requests),
+        ("fuzz_server_errors", report.server_errors),
+        ("fuzz_check_failures", len(report.failures)),
+        ("fuzz_hangs", len(report.hangs)),
+        ("fuzz_server_alive", "yes" if alive else "no"),
+    ):
+        record(name, value, variant=variant)
 
 
 if __name__ == "__main__":

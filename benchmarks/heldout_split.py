@@ -24,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core.stats.comparison import Comparison, compare  # noqa: E402
 from lightning_core.stats.evaluation import EvalResult  # noqa: E402
 
@@ -86,7 +87,7 @@ def main() -> int:
         )
     print(f"{args.agent}, split {args.split}: base vs {args.policy} (version {found['version']})")
     print(comparison.markdown())
-    print(f"{args.agent}_heldout_{args.split}_gain_points: {comparison.gain_points}")
+    record(f"{args.agent}_heldout_{args.split}_gain_points", comparison.gain_points)
     return 0
 
 

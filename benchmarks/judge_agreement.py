@@ -21,19 +21,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from lightning_core.judge.config import JudgeConfig
-from lightning_core.models import DEFAULT_MODEL, TINY_MODEL
-from lightning_core.serving.config import ServerConfig
-from lightning_core.types import Sampling
-from lightning_rl.agents.rag.data import load_tasks
-from lightning_rl.flows.judge_setup import JudgeSetup, spend
-from lightning_rl.flows.policy_server import policy_server
-from lightning_rl.flows.profiles import PROFILES
-from lightning_rl.tasks.judging import calibrate_judge
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results import record  # noqa: E402
+from lightning_core.judge.config import JudgeConfig  # noqa: E402
+from lightning_core.models import DEFAULT_MODEL, TINY_MODEL  # noqa: E402
+from lightning_core.serving.config import ServerConfig  # noqa: E402
+from lightning_core.types import Sampling  # noqa: E402
+from lightning_rl.agents.rag.data import load_tasks  # noqa: E402
+from lightning_rl.flows.judge_setup import JudgeSetup, spend  # noqa: E402
+from lightning_rl.flows.policy_server import policy_server  # noqa: E402
+from lightning_rl.flows.profiles import PROFILES  # noqa: E402
+from lightning_rl.tasks.judging import calibrate_judge  # noqa: E402
 
 GOLD_THRESHOLD = 0.91  # F1 >= 0.9 in 0.1 * format + 0.9 * F1
 
@@ -116,7 +121,16 @@ def main() -> None:
             f"| {r.gold_positive_pct:.1f} | {r.judge_positive_pct:.1f} | {cost.calls} "
             f"| {cost.tokens} | {seconds / 60:.1f} |"
         )
-    print(f"\njudge_agreement_pct: {rows[0][2].agreement_pct:.1f}")
+    mode, judge = rows[0][:2]
+    # Another first mode or another judge than the base model's verdict is a figure of its own.
+    variant = None if (mode, args.endpoint) == ("verdict", None) else f"{mode}, {judge}"
+    print()
+    record(
+        "judge_agreement_pct",
+        f"{rows[0][2].agreement_pct:.1f}",
+        variant=variant,
+        save=not args.quick,
+    )
 
 
 if __name__ == "__main__":

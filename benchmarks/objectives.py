@@ -22,7 +22,8 @@ objective changed (lightning_core/algo/losses.py, docs/lightningrl.md):
 Per arm it prints the minutes from the run's start to the first held-out evaluation at least
 20 points above the base ('-' when none is), the final gain with its paired 95 % interval, and
 the run's minutes; then `calc_minutes_to_20: X` for the default arm (nan when it never got
-there). A full run is one demo per arm (17 min each on 2 cores, BENCHMARKS.md): run it alone.
+there). A full run is one demo per arm (17 min each on 2 cores: docs/benchmarks-history.md):
+run it alone.
 
 --quick trains each arm (default: default and gspo) as benchmarks/quick_train.py does (the tiny
 random model, one iteration of 2 tasks x 2 rollouts, 4 held-out tasks, about a minute an arm)
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from benchmarks.quick_train import QUICK_FLAGS, run_env, run_logged, train_command  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
 
 # The calc agent's generation budget (agents/calc/agent.py MAX_TOKENS): Dr. GRPO's constant.
@@ -127,7 +129,7 @@ def versus(rewards: dict[str, float], reference: dict[str, float]) -> str:
     return f"{100 * diffs.mean():+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
-def report(results: dict[str, dict[str, Any]]) -> None:
+def report(results: dict[str, dict[str, Any]], save: bool = True) -> None:
     print("calc objectives ablation, held-out accuracy (greedy), same seed")
     columns = ["arm", "minutes to +20 points", "final gain, points [paired 95 % CI]"]
     columns += ["held-out at each evaluation", "final vs default [paired 95 % CI]", "minutes"]
@@ -144,7 +146,8 @@ def report(results: dict[str, dict[str, Any]]) -> None:
             f"| {against} | {r['minutes']} |"
         )
     if "default" in results:
-        print(f"calc_minutes_to_20: {results['default']['minutes_to_20']:.1f}")
+        minutes = f"{results['default']['minutes_to_20']:.1f}"
+        record("calc_minutes_to_20", minutes, save=save)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             arm: measure(Path(reused[arm]) if arm in reused else run_arm(arm, run_dir, extra))
             for arm in arms
         }
-    report(results)
+    report(results, save=not args.quick)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core.algo.config import TrainerConfig  # noqa: E402
 from lightning_core.algo.trainer import LoRATrainer  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     kl = found["offline/behaviour_kl"]
     print(f"| gated update | - | {together:.1f} | {together:.1f} | {kl:.4f} |")
-    print(f"offline_gate_time_saved_frac: {1 - together / apart:.2f}")
+    record("offline_gate_time_saved_frac", f"{1 - together / apart:.2f}", save=not args.quick)
     print(f"behaviour_kl_abs_diff: {kl_diff:.2e}")
     print(f"max_abs_diff: {diff:.2e}")
 

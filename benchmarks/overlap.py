@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.quick_train import train_quick  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         with tempfile.TemporaryDirectory(prefix="overlap-quick-") as tmp:
-            report([_train_quick(s, args.run_dir or tmp) for s in (0, 1)])
+            report([_train_quick(s, args.run_dir or tmp) for s in (0, 1)], save=False)
         return
     runs = [_train(s, args.run_dir or "runs") for s in (0, 1)] if args.train else args.runs
     if len(runs) != 2:
@@ -133,14 +134,15 @@ def main(argv: list[str] | None = None) -> None:
     report(runs)
 
 
-def report(runs: list[Path]) -> None:
+def report(runs: list[Path], save: bool = True) -> None:
     rows = sorted((measure(r) for r in runs), key=lambda r: r["staleness"])
     print(table(rows))
     slow, fast = rows[0], rows[-1]
-    print(f"overlap_speedup: {slow['wall_min'] / fast['wall_min']:.2f}")
-    print(f"iterations_speedup: {slow['iterations_min'] / fast['iterations_min']:.2f}")
+    record("overlap_speedup", f"{slow['wall_min'] / fast['wall_min']:.2f}", save=save)
+    speedup = slow["iterations_min"] / fast["iterations_min"]
+    record("iterations_speedup", f"{speedup:.2f}", save=save)
     for r in rows:
-        print(f"heldout_gain_points_staleness_{r['staleness']}: {r['gain']:.1f}")
+        record(f"heldout_gain_points_staleness_{r['staleness']}", f"{r['gain']:.1f}", save=save)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from benchmarks.drift.registry import changes, problems, versions  # noqa: E402
 from benchmarks.drift.settings import QUICK, DriftSettings  # noqa: E402
 from benchmarks.drift.users import Server, Week, run_week, send_late  # noqa: E402
 from benchmarks.quick_train import run_env, run_logged, train_command  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 from lightning_core.errors import LightningError  # noqa: E402
 from lightning_core.serving.process import wait_healthy  # noqa: E402
 from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
@@ -284,7 +285,7 @@ def _line(row: dict[str, Any]) -> str:
     )
 
 
-def report(result: dict[str, Any]) -> None:
+def report(result: dict[str, Any], save: bool = True, variant: str | None = None) -> None:
     """The per-week table, the registry's decisions and the figure lines."""
     print(
         f"pinned benchmark {result['pinned_benchmark']}: week 0 champion "
@@ -317,15 +318,16 @@ def report(result: dict[str, Any]) -> None:
         print(f"  week {r['week']}: {'; '.join(r['decisions']) or 'none'}")
     print(f"registry consistent: {'; '.join(result['problems']) or 'yes'}")
     low, high = result["production_recovery_ci"]
-    print(f"production_recovery_points: {result['production_recovery_points']:.1f}")
-    print(f"production_recovery_ci: {low:+.1f} to {high:+.1f} (paired bootstrap 95 %)")
+    kept = {"save": save, "variant": variant}
+    record("production_recovery_points", f"{result['production_recovery_points']:.1f}", **kept)
+    ci = f"{low:+.1f} to {high:+.1f}"
+    record("production_recovery_ci", ci, suffix=" (paired bootstrap 95 %)", **kept)
     times = result["promotion_to_serving_s"]
-    print(
-        f"promotion_to_serving_s: {max(times):.2f}"
-        if times
-        else "promotion_to_serving_s: n/a (no promotion)"
-    )
-    print(f"minutes: {result['minutes']}")
+    if times:
+        record("promotion_to_serving_s", f"{max(times):.2f}", **kept)
+    else:
+        print("promotion_to_serving_s: n/a (no promotion)")
+    record("minutes", result["minutes"], **kept)
 
 
 def _merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
@@ -393,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         result = Demo(out, settings).run()
         (out / "result.json").write_text(json.dumps(result, indent=1))
-        report(result)
+        # Settings other than the defaults (--set) make figures of their own.
+        report(result, save=not args.quick, variant=", ".join(args.set) or None)
         if not (args.quick and args.out is None):
             print(f"result: {out / 'result.json'}")
 

@@ -30,6 +30,7 @@ import duckdb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.quick_train import train_quick  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
 from lightning_core.stats.evaluation import wilson_interval  # noqa: E402
 from lightning_rl.agents.rag.data import load_tasks  # noqa: E402
@@ -91,12 +92,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         with tempfile.TemporaryDirectory(prefix="rag-heldout-quick-") as tmp:
-            figures(parser, train_quick("rag", Path(tmp), "rag-quick"), args.by, args.split)
+            run = train_quick("rag", Path(tmp), "rag-quick")
+            figures(parser, run, args.by, args.split, save=False)
     else:
         figures(parser, args.run, args.by, args.split)
 
 
-def figures(parser: argparse.ArgumentParser, run: Path, by: str, split: str = "test") -> None:
+def figures(
+    parser: argparse.ArgumentParser, run: Path, by: str, split: str = "test", save: bool = True
+) -> None:
     if not (run / "summary.json").is_file():
         parser.error(f"{run} is not a finished run folder (no summary.json)")
     summary, paired = load(run, split)
@@ -120,13 +124,13 @@ def figures(parser: argparse.ArgumentParser, run: Path, by: str, split: str = "t
         line, gain, interval = row(group, base, final)
         print(line)
     name = "rag_heldout_gain_points" if split == "test" else f"rag_heldout_{split}_gain_points"
-    print(
-        f"{name}: {gain:.1f} (paired 95 % CI {100 * interval[0]:+.1f} to {100 * interval[1]:+.1f})"
-    )
+    ci = f" (paired 95 % CI {100 * interval[0]:+.1f} to {100 * interval[1]:+.1f})"
+    record(name, f"{gain:.1f}", suffix=ci, save=save)
     three = [p[4] for p in paired if p[1] == "3-hop"]
     if split == "test" and three:
         solved = 100 * float(np.mean(np.array(three) >= SOLVED))
-        print(f"rag_multihop_solved_pct: {solved:.1f} (final policy, {len(three)} 3-hop tasks)")
+        tasks = f" (final policy, {len(three)} 3-hop tasks)"
+        record("rag_multihop_solved_pct", f"{solved:.1f}", suffix=tasks, save=save)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from benchmarks.quick_train import train_quick  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 from lightning_core.rollouts.curriculum import tier_of  # noqa: E402
 from lightning_core.stats.comparison import paired_bootstrap  # noqa: E402
 from lightning_core.stats.evaluation import wilson_interval  # noqa: E402
@@ -144,14 +145,16 @@ def main(argv: list[str] | None = None) -> None:
             flags = ("--warm-start", "sft", "--sft", sft)
             sft_run = train_quick("calc", Path(tmp), "sft-quick", *flags)
             rl_run = train_quick("calc", Path(tmp), "rl-quick")
-            report(parser, sft_run, rl_run, args.split)
+            report(parser, sft_run, rl_run, args.split, save=False)
         return
     if args.sft_run is None or args.rl_run is None:
         parser.error("name the warm-started run and the RL-alone run (or --quick)")
     report(parser, args.sft_run, args.rl_run, args.split)
 
 
-def report(parser: argparse.ArgumentParser, sft_run: Path, rl_run: Path, split: str) -> None:
+def report(
+    parser: argparse.ArgumentParser, sft_run: Path, rl_run: Path, split: str, save: bool = True
+) -> None:
     rows, sft_summary, rl_summary, names = outcomes(parser, sft_run, rl_run, split)
     print(
         f"{len(rows)} held-out tasks of split {split}; "
@@ -165,14 +168,13 @@ def report(parser: argparse.ArgumentParser, sft_run: Path, rl_run: Path, split: 
     lines, both, versus = table(rows)
     print("\n".join(lines))
     suffix = "" if split == "test" else f"_{split}"
-    print(
-        f"\n{sft_summary['agent']}_sft_then_rl{suffix}_gain_points: {both[0]:.1f} "
-        f"(paired 95 % CI {both[1]:+.1f} to {both[2]:+.1f})"
-    )
-    print(
-        f"sft_then_rl_minus_rl_alone{suffix}_points: {versus[0]:.1f} "
-        f"(paired 95 % CI {versus[1]:+.1f} to {versus[2]:+.1f})"
-    )
+    print()
+    for name, (value, low, high) in (
+        (f"{sft_summary['agent']}_sft_then_rl{suffix}_gain_points", both),
+        (f"sft_then_rl_minus_rl_alone{suffix}_points", versus),
+    ):
+        ci = f" (paired 95 % CI {low:+.1f} to {high:+.1f})"
+        record(name, f"{value:.1f}", suffix=ci, save=save)
 
 
 if __name__ == "__main__":

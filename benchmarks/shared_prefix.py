@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core.algo.config import TrainerConfig  # noqa: E402
 from lightning_core.algo.shared_prefix import forward_tokens, shared_length  # noqa: E402
 from lightning_core.algo.trainer import LoRATrainer  # noqa: E402
@@ -159,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {k} | {len(batch)} | {apart} | {shared} | {apart_s:.2f} | {shared_s:.2f} |")
         sys.stdout.flush()
     print(f"| all | | {totals[0]} | {totals[1]} | {totals[2]:.1f} | {totals[3]:.1f} |")
-    print(f"shared_prefix_tokens_saved_frac: {1 - totals[1] / totals[0]:.3f}")
-    print(f"shared_prefix_step_speedup: {totals[2] / totals[3]:.2f}")
+    save = not args.quick
+    record("shared_prefix_tokens_saved_frac", f"{1 - totals[1] / totals[0]:.3f}", save=save)
+    record("shared_prefix_step_speedup", f"{totals[2] / totals[3]:.2f}", save=save)
 
 
 if __name__ == "__main__":

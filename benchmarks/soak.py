@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 import psutil  # noqa: E402
 
+from benchmarks.results import record_printed  # noqa: E402
 from lightning_core import semconv  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
 from lightning_core.serving.process import free_port, start_serve, stop_serve  # noqa: E402
@@ -293,7 +294,16 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(soak(url, args.clients, args.seconds, args.warmup, server.pid))
         finally:
             stop_serve(server)
-    print(report(result))
+    text = report(result)
+    print(text)
+    # A soak of other settings (the smoke test's seconds) is a figure of its own.
+    settings = (args.clients, args.seconds, args.warmup)
+    variant = (
+        None
+        if settings == (64, 180.0, 60.0)
+        else "clients {}, {} s, warm-up {} s".format(*settings)
+    )
+    record_printed(text, "soak_", variant=variant)
     return 1 if result.tally.error_count else 0
 
 

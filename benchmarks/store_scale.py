@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import duckdb  # noqa: E402
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core import semconv  # noqa: E402
 from lightning_core.data import analytics  # noqa: E402
 from lightning_core.data.offline import OfflineConfig  # noqa: E402
@@ -294,10 +295,13 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(_table(result))
     scale = "1m" if args.episodes == 1_000_000 else "quick" if args.quick else "n"
-    print(f"plan_episodes_{scale}_s: {result['plan_s']:.1f}")
-    print(f"archive_s: {result['archive_s']:.1f}")
-    print(f"store_mb_before: {result['mb_before']:.1f}")
-    print(f"store_mb_after: {result['mb_after']:.1f}")
+    save = not args.quick
+    # The figures of another size than a year's are figures of their own.
+    variant = None if args.episodes == 1_000_000 else f"episodes {args.episodes}"
+    record(f"plan_episodes_{scale}_s", f"{result['plan_s']:.1f}", save=save)
+    record("archive_s", f"{result['archive_s']:.1f}", variant=variant, save=save)
+    record("store_mb_before", f"{result['mb_before']:.1f}", variant=variant, save=save)
+    record("store_mb_after", f"{result['mb_after']:.1f}", variant=variant, save=save)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core.backends.base import (  # noqa: E402
     Constraint,
     GenerationRequest,
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{statistics.median(r[1] for r in results):.0f} | {', '.join(finishes)} |"
         )
     overhead = (medians["free"] / medians["json_schema"] - 1) * 100
-    print(f"\nstructured_overhead_pct: {overhead:.1f}")
+    print()
+    record("structured_overhead_pct", f"{overhead:.1f}", save=not args.quick)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core.gateway.chat import encode, render_chat  # noqa: E402
 from lightning_core.judge import prompts  # noqa: E402
 from lightning_core.models import tiny_model_dir  # noqa: E402
@@ -144,7 +145,9 @@ def main() -> None:
     for name, (ok, failed, seconds) in tally.items():
         print(f"{name:6} {ok + failed:>5} {ok:>8} {failed:>7} {seconds / (ok + failed):>7.1f}")
     if "new" in tally:
-        print(f"\ntiny_answerer_failures: {tally['new'][1]}")
+        print()
+        variant = None if args.prompt == "tagged" else f"prompt {args.prompt}"
+        record("tiny_answerer_failures", tally["new"][1], variant=variant, save=not args.quick)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.results import record  # noqa: E402
 from lightning_core.algo.config import TrainerConfig  # noqa: E402
 from lightning_core.algo.trainer import LoRATrainer  # noqa: E402
 from lightning_core.types import Transition  # noqa: E402
@@ -139,8 +140,18 @@ def prefix_merging(args: argparse.Namespace, episodes: int, calls: int) -> None:
     print("|---|---|---|")
     for merge, forward, seconds in rows:
         print(f"| {str(merge).lower()} | {forward} | {seconds:.2f} |")
-    print(f"prefix_merge_tokens_saved_frac: {1 - merged / apart:.3f}")
-    print(f"prefix_merge_step_speedup: {slow / fast:.2f}")
+    save, variant = not args.quick, _variant(args)
+    record(
+        "prefix_merge_tokens_saved_frac", f"{1 - merged / apart:.3f}", variant=variant, save=save
+    )
+    record("prefix_merge_step_speedup", f"{slow / fast:.2f}", variant=variant, save=save)
+
+
+def _variant(args: argparse.Namespace) -> str | None:
+    """What sets this run's figures apart from the default run's (another model, 6 N)."""
+    parts = [f"model {args.model}"] if args.model else []
+    parts += ["checkpointing"] if args.checkpointing else []
+    return ", ".join(parts) or None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     formula = "6*N" if args.checkpointing else "4*N"
     print(f"MFU = {formula} x tokens/s / matmul FLOP/s, N = {n_params} (base model, frozen)")
-    print(f"train_mfu: {mfu:.3f}")
+    record("train_mfu", f"{mfu:.3f}", variant=_variant(args), save=not args.quick)
     prefix_merging(args, *((2, 3) if args.quick else (8, 4)))
 
 

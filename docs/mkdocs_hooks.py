@@ -1,9 +1,11 @@
 """MkDocs hooks: BENCHMARKS.md, at the repository root, is the site's benchmarks page.
 
 The file stays where the benchmark scripts and their readers expect it, and the site shows it
-whole instead of a copy, so each figure is written once. Pages link to its sections as
-`../BENCHMARKS.md#section`, which works on GitHub; here those links are pointed at the page that
-includes it, so that strict mode checks them and their anchors like any other.
+whole instead of a copy, so each figure is written once. It holds the table of current figures
+(generated from benchmarks/results.json); the runs behind them are docs/benchmarks-history.md,
+an ordinary page. Pages link to BENCHMARKS.md as `../BENCHMARKS.md`, which works on GitHub; here
+those links are pointed at the page that includes it, so that strict mode checks them and their
+anchors like any other.
 """
 
 from __future__ import annotations

@@ -56,8 +56,14 @@ class AgentProfile(BaseModel):
     def load_agent(self) -> Callable[..., Any]:
         return load_agent(self.agent)
 
+    def check_loaders(self) -> None:
+        """Import the agent and its task loader now: a misspelt module is one line before a
+        run starts (a Prefect server, a run folder), naming the reference that failed."""
+        self.load_agent()
+        load_agent(self.tasks, "task loader")
+
     def load_tasks(self, split: str, size: int, source: str | None = None) -> list[dict[str, Any]]:
-        loader = load_agent(self.tasks)
+        loader = load_agent(self.tasks, "task loader")
         try:
             tasks = loader(split, size, source or self.task_source)
         except (ValueError, TypeError) as exc:
@@ -152,6 +158,7 @@ def profile(agent: str, tasks: str | None = None) -> AgentProfile:
             "'module:function' together with --tasks 'module:function'"
         )
     if tasks is None:
+        load_agent(agent)  # a misspelt agent module is the first thing to say
         raise InvalidInput(f"agent {agent!r} needs a task loader: pass tasks='module:function'")
     module, _ = parse_agent_ref(agent)
     name = module.rsplit(".", 1)[-1]

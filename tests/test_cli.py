@@ -37,7 +37,7 @@ def test_every_command_has_help(command):
     [
         (["train", "--agent", "nope"], "unknown agent 'nope'"),
         (["train", "--iterations", "0"], "iterations"),
-        (["train", "--agent", "mod:fn"], "needs a task loader"),
+        (["train", "--agent", "tests.flow_agents:agent"], "needs a task loader"),
         (["train", "--run-name", "../up"], "run name '../up'"),
         (["eval", "--agent", "nope"], "unknown agent 'nope'"),
     ],
@@ -76,6 +76,59 @@ def test_train_help_lists_every_setting_with_its_description():
     for flag in ("--train-agent", "--no-policy-per-agent", "--config", "--resume", "--quiet"):
         assert flag in text
     assert "Training iterations." in text
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--agent", "nosuch:agent"], "agent 'nosuch:agent': no module named 'nosuch'"),
+        (
+            ["--agent", "nosuch:agent", "--tasks", "nosuch:load_tasks"],
+            "agent 'nosuch:agent': no module named 'nosuch'",
+        ),
+        (
+            ["--agent", "calc", "--tasks", "nosuch:load_tasks"],
+            "task loader 'nosuch:load_tasks': no module named 'nosuch'",
+        ),
+        (
+            ["--agent", "lightning_rl.agents.calc:agentt", "--tasks", "tests.no_such:tasks"],
+            "has no attribute 'agentt'; did you mean 'agent'?",
+        ),
+    ],
+)
+def test_train_checks_the_agent_and_task_loader_before_a_run_starts(tmp_path, args, says):
+    # Before: 22 s, a 50-line traceback from inside the flow naming the task loader for a
+    # misspelt agent module, and an empty run folder left behind.
+    result = cli("train", *args, "--run-dir", str(tmp_path / "runs"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_misspelt_setting_in_a_config_file_gets_the_closest_name(tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text('{"iteratons": 2, "trainer": {"learnin_rate": 1}, "group_sise": 3}')
+    result = cli("train", "--config", str(config))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "iteratons (did you mean iterations?)" in result.stderr
+    assert "trainer.learnin_rate (did you mean trainer.learning_rate?)" in result.stderr
+    assert "group_sise (did you mean rollouts.group_size?)" in result.stderr
+
+
+def test_train_help_fits_80_columns_in_sections_without_cutting_a_name():
+    from lightning_rl.flows.config import SECTIONS, TrainConfig, flat_names
+
+    result = run_cli("train", "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in result.stdout
+    names = [n for n in TrainConfig.model_fields if n not in SECTIONS] + list(flat_names())
+    for name in names:  # each name whole, at the start of its entry
+        assert any(ln.lstrip().startswith(f"--{name.replace('_', '-')}") for ln in lines), name
+    headings = [ln for ln in lines if ln.endswith(":") and not ln.startswith(" ")]
+    assert headings[:3] == ["Command:", "Run:", "Rollouts (rollouts.*):"]
+    assert len(lines) < 250  # one sentence a setting (it was 513 lines at 80 columns)
 
 
 def test_eval_takes_the_policy_and_still_understands_model():

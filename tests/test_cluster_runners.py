@@ -31,7 +31,7 @@ import duckdb
 import pytest
 from prefect import unmapped
 
-from lightning_rl.flows import iteration as iteration_module
+from lightning_rl.flows import batch_source as batch_source_module
 from lightning_rl.flows import progress
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.train import train
@@ -74,7 +74,7 @@ def test_cluster_workers_get_no_paths_they_cannot_reach(
     # Workers elsewhere cannot read the key file or append to the run folder (paths on the
     # flow's machine): with LIGHTNING_API_KEY they use their own, with an address no run folder.
     recorder = _Recorder()
-    monkeypatch.setattr(iteration_module, "_cluster_runner", lambda config: recorder)
+    monkeypatch.setattr(batch_source_module, "_cluster_runner", lambda config: recorder)
     if api_key is None:
         monkeypatch.delenv("LIGHTNING_API_KEY", raising=False)
     else:
@@ -85,7 +85,7 @@ def test_cluster_workers_get_no_paths_they_cannot_reach(
         "key_file": unmapped("run/store.duckdb.key"),
         "run_dir": unmapped("run"),
     }
-    iteration_module.fan_out(config, parameters)
+    batch_source_module.fan_out(config, parameters)
     sent = recorder.parameters
     assert sent is not None and sent["worker"] == [0, 1]
     assert (sent["key_file"].value, sent["run_dir"].value) == (key_file, run_dir)

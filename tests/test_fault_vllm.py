@@ -159,3 +159,23 @@ async def test_a_request_reset_by_a_restart_already_under_way_is_retryable(monke
         assert raised.value.status_code == 503
         assert "restarted; send it again" in str(raised.value)
         assert backend.restarts == 1
+
+
+async def test_a_request_reset_before_a_restart_that_begins_while_it_waits_is_retryable(
+    monkeypatch,
+):
+    """A second race (a fresh-clone CI run, 2026-12-06): the kill reset the request itself; while
+    the backend waited to see the killed process exit, the watcher saw it first and launched the
+    new server between two looks, so every later look found a live process, and the request was
+    answered `cannot reach the vLLM server ... Connection reset by peer` after the grace."""
+    import aiohttp
+
+    monkeypatch.setattr(vllm_backend_module, "VLLMServer", _StandInServer)
+    async with VLLMBackend(model="tiny") as backend:
+        reset = aiohttp.ClientOSError(104, "Connection reset by peer")
+        lost = asyncio.create_task(backend._lost(reset, backend.restarts))
+        await asyncio.sleep(0.2)  # the backend is waiting for the old process to exit
+        await backend._restart_once()  # the watcher, which saw the exit first
+        error = await asyncio.wait_for(lost, timeout=10)
+        assert error.status_code == 503
+        assert "restarted; send it again" in str(error)

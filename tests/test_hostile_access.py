@@ -216,8 +216,9 @@ def test_mlflow_params_hold_no_password_from_a_url(tmp_path):
 def test_prefect_records_no_password_from_a_url():
     """Finding: the same URLs travel as Prefect flow parameters (the train flow's fields, the
     subflows' `config`), which Prefect records and shows."""
+    from lightning_rl.flows.batch_source import rollout_batch
     from lightning_rl.flows.evaluate import evaluate as evaluate_flow
-    from lightning_rl.flows.iteration import rollout_batch, train_iteration
+    from lightning_rl.flows.iteration import train_iteration
     from lightning_rl.flows.train import train
 
     config = _secret_config()

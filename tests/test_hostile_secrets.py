@@ -96,7 +96,8 @@ def test_the_vllm_key_is_in_no_mlflow_param_and_no_saved_config(tmp_path):
 def test_prefect_records_no_vllm_key():
     """Finding: the same dict travelled in the Prefect flow-run parameters (the train flow's
     `server`, the subflows' `config`), which Prefect records and shows."""
-    from lightning_rl.flows.iteration import rollout_batch, train_iteration
+    from lightning_rl.flows.batch_source import rollout_batch
+    from lightning_rl.flows.iteration import train_iteration
     from lightning_rl.flows.train import train
 
     config = _vllm_config()

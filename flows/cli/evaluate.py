@@ -46,7 +46,7 @@ def evaluate(
 
     agents_from_cwd()
     try:
-        profile(agent, tasks)  # a bad name fails here, before any flow starts
+        profile(agent, tasks).check_loaders()  # a bad name fails here, before any flow starts
     except LightningError as exc:
         fail(exc)
     try:

@@ -4,6 +4,7 @@ preset, a resumed run's config, a --config file and the flags into one set of fi
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 from collections.abc import Callable
@@ -14,9 +15,9 @@ from typing import Annotated, Any, Union, get_args, get_origin
 import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from rich.markup import escape
 
 from lightning_core.errors import LightningError
+from lightning_rl.flows.cli.train_help import NESTED, RUN, SECTION_TITLES
 
 # Option names of earlier releases, kept working beside the generated ones. " /--x" adds an
 # off switch alone (click splits a declaration at "/" into on and off names; an empty on name
@@ -25,7 +26,6 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "train_agents": ("--train-agent",),
     "policy_per_agent": (" /--shared-policy",),
 }
-_NESTED_PANEL = "Nested settings: a JSON object, merged over the default (or --config's)"
 
 
 def _is_model(annotation: Any) -> bool:
@@ -36,11 +36,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _field_option(name: str, field: FieldInfo, default: Any) -> inspect.Parameter:
-    """The `lightning-rl train` option of one TrainConfig field. Every option defaults to None,
-    "not given", so that a --config file's value (or --resume's) stays unless a flag is given."""
-    # Escaped: typer reads help as rich markup, and "lightning-rl[cluster]" is meant as text.
-    help_text = escape(field.description or "")
+def _field_option(name: str, field: FieldInfo, default: Any, panel: str) -> inspect.Parameter:
+    """The `lightning-rl train` option of one TrainConfig field, shown in `panel` of the help.
+    Every option defaults to None, "not given", so that a --config file's value (or --resume's)
+    stays unless a flag is given."""
+    # Plain text: the train command's help is click's layout, not rich markup.
+    help_text = field.description or ""
     annotation: Any = field.annotation
     if _is_model(annotation):
         keys = ", ".join(annotation.model_fields)
@@ -49,7 +50,7 @@ def _field_option(name: str, field: FieldInfo, default: Any) -> inspect.Paramete
             help=f"{help_text} Keys: {keys}.",
             metavar="JSON",
             show_default=False,
-            rich_help_panel=_NESTED_PANEL,
+            rich_help_panel=panel,
         )
         annotation = str
     else:
@@ -63,6 +64,7 @@ def _field_option(name: str, field: FieldInfo, default: Any) -> inspect.Paramete
             *_ALIASES.get(name, ()),
             help=help_text,
             show_default=False if default is None else str(default),
+            rich_help_panel=panel,
         )
     return inspect.Parameter(
         name,
@@ -134,14 +136,20 @@ def train_signature() -> inspect.Signature:
 
     defaults = TrainConfig()
     fields = [
-        _field_option(name, field, getattr(defaults, name))
+        _field_option(
+            name, field, getattr(defaults, name), NESTED if _is_model(field.annotation) else RUN
+        )
         for name, field in TrainConfig.model_fields.items()
         if name not in SECTIONS
     ]
     for flat, where in flat_names().items():
         *parents, leaf = where
         owner = type(_leaf(defaults, tuple(parents)))
-        fields.append(_field_option(flat, owner.model_fields[leaf], _leaf(defaults, where)))
+        fields.append(
+            _field_option(
+                flat, owner.model_fields[leaf], _leaf(defaults, where), SECTION_TITLES[where[0]]
+            )
+        )
     clash = {p.name for p in fields} & {p.name for p in _command_options()}
     assert not clash, f"TrainConfig fields clash with train's own options: {clash}"
     return inspect.Signature([*fields, *_command_options()], return_annotation=None)
@@ -158,12 +166,20 @@ def _json_object(name: str, text: str) -> dict[str, Any]:
 
 
 def _unknown_keys(model: type[BaseModel], value: dict[str, Any], where: str) -> list[str]:
-    """Keys of `value` that `model` (which ignores unknown keys) has no field for: typos."""
+    """Keys of `value` that `model` (which ignores unknown keys) has no field for: typos,
+    each with the closest known name when one is close."""
+    known = {name: f"{where}{name}" for name in model.model_fields}
+    if not where:  # a section's setting misplaced at the top: say where it lives
+        from lightning_rl.flows.config import flat_names
+
+        known |= {flat: ".".join(path) for flat, path in flat_names().items()}
     unknown = []
     for key, item in value.items():
         field = model.model_fields.get(key)
         if field is None:
-            unknown.append(f"{where}{key}")
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f" (did you mean {known[close[0]]}?)" if close else ""
+            unknown.append(f"{where}{key}{hint}")
         elif isinstance(item, dict) and _is_model(field.annotation):
             unknown += _unknown_keys(field.annotation, item, f"{where}{key}.")
     return unknown

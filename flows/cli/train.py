@@ -16,6 +16,7 @@ from lightning_core.errors import LightningError
 from lightning_rl.flows.cli.app import app, fail
 from lightning_rl.flows.cli.common import agents_from_cwd, interrupt_on_sigterm, quiet_prefect
 from lightning_rl.flows.cli.options import train_fields, train_signature
+from lightning_rl.flows.cli.train_help import TrainCommand
 from lightning_rl.flows.cli.view import run_with_view
 
 
@@ -36,6 +37,7 @@ def train(**options: Any) -> None:
     try:
         settings = TrainConfig.model_validate(train_fields(options, config, resume))
         spec = profile(settings.agent, settings.tasks)
+        spec.check_loaders()
     except ValidationError as exc:
         fail(LightningError(f"invalid training config: {exc}"))
     except LightningError as exc:
@@ -97,8 +99,9 @@ def train_command() -> TyperCommand:
     signature and the type hints, both generated here)."""
     train.__signature__ = train_signature()  # type: ignore[attr-defined]
     train.__annotations__ = {p.name: p.annotation for p in train.__signature__.parameters.values()}
-    commands = typer.Typer(add_completion=False)
-    commands.command()(train)
+    # Click's plain help layout (no rich): sections, and no option name cut (train_help.py).
+    commands = typer.Typer(add_completion=False, rich_markup_mode=None)
+    commands.command(cls=TrainCommand)(train)
     return typer.main.get_command(commands)
 
 

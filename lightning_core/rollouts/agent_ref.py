@@ -8,6 +8,7 @@ a colon is a module whose attribute `agent` is taken.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,11 @@ from lightning_core.errors import InvalidInput
 DEFAULT_ATTRIBUTE = "agent"
 # Where bare names are looked up: the example agents shipped with the project.
 EXAMPLES_PACKAGE = "lightning_rl.agents"
+# What each kind of reference must be, for the message when it is not callable.
+_CALLABLES = {
+    "agent": "an agent is a function (task, llm) -> reward",
+    "task loader": "a task loader is a function (split, size, source) -> list of task dicts",
+}
 
 
 def parse_agent_ref(ref: str) -> tuple[str, str]:
@@ -37,8 +43,9 @@ def parse_agent_ref(ref: str) -> tuple[str, str]:
     return module, attr
 
 
-def load_agent(ref: str) -> Callable[..., Any]:
-    """Import the agent `ref` names; InvalidInput saying what was tried when that fails."""
+def load_agent(ref: str, what: str = "agent") -> Callable[..., Any]:
+    """Import the agent `ref` names; InvalidInput saying what was tried when that fails.
+    `what` names the reference in those messages ("task loader" for `--tasks`)."""
     module_name, attr = parse_agent_ref(ref)
     try:
         module = importlib.import_module(module_name)
@@ -47,28 +54,30 @@ def load_agent(ref: str) -> Callable[..., Any]:
         missing = exc.name or ""
         if module_name == missing or module_name.startswith(missing + "."):
             raise InvalidInput(
-                f"agent {ref!r}: no module named {module_name!r}; check the spelling and that "
+                f"{what} {ref!r}: no module named {module_name!r}; check the spelling and that "
                 "its package is installed or in the current directory"
             ) from exc
         raise InvalidInput(
-            f"agent {ref!r}: importing {module_name!r} failed because {missing!r} is not "
+            f"{what} {ref!r}: importing {module_name!r} failed because {missing!r} is not "
             "installed; install it (the example agents need `pip install lightning-rl[agents]`)"
         ) from exc
     except Exception as exc:
         raise InvalidInput(
-            f"agent {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+            f"{what} {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
         ) from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
+            close = difflib.get_close_matches(part, [n for n in dir(target) if n[:1] != "_"], 1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise InvalidInput(
-                f"agent {ref!r}: module {module_name!r} has no attribute {attr!r}; "
-                f"write '{module_name}:<name of the agent function>'"
+                f"{what} {ref!r}: module {module_name!r} has no attribute {attr!r}; {hint}"
+                f"write '{module_name}:<name of the {what} function>'"
             )
         target = getattr(target, part)
     if not callable(target):
         raise InvalidInput(
-            f"agent {ref!r}: {module_name}:{attr} is a {type(target).__name__}, not a callable; "
-            "an agent is a function (task, llm) -> reward"
+            f"{what} {ref!r}: {module_name}:{attr} is a {type(target).__name__}, not a "
+            f"callable; {_CALLABLES.get(what, 'it must be a function')}"
         )
     return target

@@ -243,7 +243,7 @@ class VLLMBackend:
     async def _lost(self, error: Exception, restarts: int) -> VLLMUnavailable:
         """The error of a request the server failed by dying; a restart begins at once.
         `restarts` is self.restarts when the request was sent."""
-        if self.restarts != restarts or self._restart_under_way():
+        if self._restarted_since(restarts):
             # The server that failed it was restarted meanwhile, or is being restarted: the
             # watcher's restart stops what is left of it (its engine core, which still held the
             # port, resets the connection) and may have launched the new server before this
@@ -253,15 +253,25 @@ class VLLMBackend:
         if self._server is not None and self._gave_up is None:
             # The reset connection can reach us before the dying process is reaped: without
             # this wait a request cut off by the kill was answered "cannot reach" (seen here).
+            # The watcher may see the exit first and launch the new server between two looks,
+            # which then find it alive: a restart since the request counts as its exit.
             deadline = time.monotonic() + _EXIT_GRACE_S
             while not self._server.exited() and time.monotonic() < deadline:
+                if self._restarted_since(restarts):
+                    return self._restarting_error(error)
                 await asyncio.sleep(0.05)
+        if self._restarted_since(restarts):
+            return self._restarting_error(error)
         if self._server is not None and self._server.exited() and self._gave_up is None:
             self._restart_once()
             return self._restarting_error(error)
         return VLLMUnavailable(
             f"cannot reach the vLLM server at {redact_url(self.url)}: {error}{self._died()}"
         )
+
+    def _restarted_since(self, restarts: int) -> bool:
+        """Whether a restart began after a request sent when self.restarts was `restarts`."""
+        return self.restarts != restarts or self._restart_under_way()
 
     def _restart_under_way(self) -> bool:
         restarting = self._restarting
