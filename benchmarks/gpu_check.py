@@ -281,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         mfu = row.tflops() * 1e12 / peak
         print(
-            f"| {row.phase} | {row.shape} | {row.tokens} | {row.seconds:.2f} | "
-            f"{row.tokens_per_s:.1f} | {row.tflops():.4f} | {100 * mfu:.2f} % |"
+            # Enough decimals that the dry run's toy model (a train step of ~5 ms, 0.0005
+            # TFLOP/s at one request) never prints 0: a fresh-clone CI run read "0.00" s.
+            f"| {row.phase} | {row.shape} | {row.tokens} | {row.seconds:.4f} | "
+            f"{row.tokens_per_s:.1f} | {row.tflops():.6f} | {100 * mfu:.2f} % |"
         )
     print(
         f"MFU against the measured {dtype_name} matmul rate {peak / 1e12:.2f} TFLOP/s; "
