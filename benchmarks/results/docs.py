@@ -13,9 +13,11 @@ compared by tests/test_benchmark_results.py, so that a figure is written by hand
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.results.figures import ROOT, Figure, Results, ResultsError, Value
+from lightning_core.data.files import write_text_atomically
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HISTORY = "docs/benchmarks-history.md"
@@ -82,18 +84,24 @@ def update(text: str, results: Results, where: str = "the text") -> str:
         raise ResultsError(f"{where}: {e}") from e
 
 
-def stale(results: Results, root: Path = ROOT) -> list[Path]:
-    """The documents whose generated figures differ from `results`."""
-    return [p for p in documents(root) if update(p.read_text(), results, str(p)) != p.read_text()]
-
-
-def update_docs(results: Results, root: Path = ROOT) -> list[Path]:
-    """Regenerate every document's figures; the files that changed."""
-    changed = []
+def _regenerated(results: Results, root: Path) -> Iterator[tuple[Path, str]]:
+    """Each document whose generated figures differ from `results`, with its new text."""
     for path in documents(root):
         text = path.read_text()
         new = update(text, results, str(path.relative_to(root)))
         if new != text:
-            path.write_text(new)
-            changed.append(path)
+            yield path, new
+
+
+def stale(results: Results, root: Path = ROOT) -> list[Path]:
+    """The documents whose generated figures differ from `results`."""
+    return [path for path, _ in _regenerated(results, root)]
+
+
+def update_docs(results: Results, root: Path = ROOT) -> list[Path]:
+    """Regenerate every document's figures, each file replaced whole; the files that changed."""
+    changed = []
+    for path, new in _regenerated(results, root):
+        write_text_atomically(path, new)
+        changed.append(path)
     return changed
