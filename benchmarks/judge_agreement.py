@@ -35,9 +35,9 @@ from lightning_core.models import DEFAULT_MODEL, TINY_MODEL  # noqa: E402
 from lightning_core.serving.config import ServerConfig  # noqa: E402
 from lightning_core.types import Sampling  # noqa: E402
 from lightning_rl.agents.rag.data import load_tasks  # noqa: E402
-from lightning_rl.flows.judge_setup import JudgeSetup, spend  # noqa: E402
-from lightning_rl.flows.policy_server import policy_server  # noqa: E402
 from lightning_rl.flows.profiles import PROFILES  # noqa: E402
+from lightning_rl.judge_setup import JudgeSetup, spend  # noqa: E402
+from lightning_rl.policy_server import policy_server  # noqa: E402
 from lightning_rl.tasks.judging import calibrate_judge  # noqa: E402
 
 GOLD_THRESHOLD = 0.91  # F1 >= 0.9 in 0.1 * format + 0.9 * F1

@@ -26,13 +26,14 @@ from lightning_core.data.collect import Collected
 from lightning_core.data.offline import OfflineBatch, OfflineConfig
 from lightning_core.rollouts.curriculum import Curriculum
 from lightning_core.rollouts.dynamic_sampling import sample_rounds
-from lightning_rl.flows import pipeline, progress
+from lightning_rl import progress
+from lightning_rl.flows import pipeline
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.judging import judge_setup
 from lightning_rl.flows.profiles import AgentProfile, profile
-from lightning_rl.flows.redacted import flow
 from lightning_rl.flows.run_context import RunContext, air, credit, plan_batch, train_tasks
 from lightning_rl.flows.run_state import Checkpoint
+from lightning_rl.redacted import flow
 from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
 
 
@@ -137,8 +138,8 @@ def fan_out(config: TrainConfig, parameters: dict[str, Any]) -> list[dict[str, i
     # A cluster's workers may run on other machines, where paths on this one do not exist.
     parameters = dict(parameters)
     if os.environ.get("LIGHTNING_API_KEY"):
-        # The policy server's key is then the user's (flows/policy_server.py): workers read it from
-        # their own LIGHTNING_API_KEY, not from the key file.
+        # The policy server's key is then the user's (lightning_rl/policy_server.py): workers
+        # read it from their own LIGHTNING_API_KEY, not from the key file.
         parameters["key_file"] = unmapped(None)
     if config.rollouts.task_runner_address is not None:
         # The run folder's progress file stays on this machine; the flow reports the stages.

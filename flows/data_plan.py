@@ -36,7 +36,7 @@ from lightning_core.data.task_table import TaskTable, content_hash
 from lightning_core.errors import InvalidInput, LightningError
 from lightning_core.store.archive import ArchiveReader
 from lightning_core.types import Feedback, Rollout, Span, Transition, episode_rollout_id
-from lightning_rl.flows.policy_server import store_client
+from lightning_rl.policy_server import store_client
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.datasets import previous_run_tag
 

@@ -19,9 +19,9 @@ from prefect.artifacts import create_markdown_artifact
 from lightning_core.errors import InvalidInput, NotFound
 from lightning_core.serving.config import ServerConfig
 from lightning_rl.flows import report
-from lightning_rl.flows.policy_server import policy_server
 from lightning_rl.flows.profiles import profile
-from lightning_rl.flows.redacted import flow
+from lightning_rl.policy_server import policy_server
+from lightning_rl.redacted import flow
 from lightning_rl.registry.config import RegistryConfig, resolve
 from lightning_rl.registry.runs import log_metrics, log_params, tracking
 from lightning_rl.registry.versions import champion_adapter, record_score

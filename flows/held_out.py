@@ -7,7 +7,7 @@ from __future__ import annotations
 from prefect import get_run_logger
 
 from lightning_core.stats.evaluation import EvalResult
-from lightning_rl.flows import progress
+from lightning_rl import progress
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.profiles import AgentProfile
 from lightning_rl.flows.run_context import RunContext, credit, heldout_tasks

@@ -10,15 +10,16 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from lightning_rl.flows import pipeline, progress, report
+from lightning_rl import progress
+from lightning_rl.flows import pipeline, report
 from lightning_rl.flows.batch_source import BatchSource, Taken, batch_source, curriculum_for
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.held_out import evaluate, evaluate_extra_splits, record_evaluation
 from lightning_rl.flows.judging import judge_setup, spend_metrics
 from lightning_rl.flows.profiles import AgentProfile, profile
-from lightning_rl.flows.redacted import flow
 from lightning_rl.flows.run_context import RunContext, policy_agents
 from lightning_rl.flows.run_state import Checkpoint, save_checkpoint
+from lightning_rl.redacted import flow
 from lightning_rl.registry.runs import log_metrics_once
 from lightning_rl.tasks.analysis import analyze_iteration
 from lightning_rl.tasks.provenance import probe_served_policy

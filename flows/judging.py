@@ -16,10 +16,10 @@ from lightning_core.errors import InvalidInput
 from lightning_core.judge.calibration import Calibration, enforce
 from lightning_core.judge.config import SERVER
 from lightning_rl.flows.config import TrainConfig
-from lightning_rl.flows.judge_setup import CACHE_FILE, JudgeSetup, spend
 from lightning_rl.flows.profiles import AgentProfile
 from lightning_rl.flows.run_context import RunContext, credit, train_tasks
 from lightning_rl.flows.run_state import Checkpoint
+from lightning_rl.judge_setup import CACHE_FILE, JudgeSetup, spend
 from lightning_rl.registry.runs import log_metrics_once, set_run_tags
 from lightning_rl.tasks.judging import calibrate_judge
 

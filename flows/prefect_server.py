@@ -6,7 +6,7 @@ never reaches: the server lived on, one more per killed run. Started here, the s
 with the same settings, it gets serving.die_with_parent, so the kernel stops it with the
 process that started it. Its concurrency leases are kept in files under PREFECT_HOME rather
 than in its memory, so that the next run's server still knows the leases a killed run held and
-can release them (flows/gpu_slot.py).
+can release them (lightning_rl/gpu_slot.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from prefect.artifacts import (
 from lightning_core.data import analytics
 from lightning_core.stats.comparison import Comparison, compare
 from lightning_core.stats.evaluation import EvalResult
-from lightning_rl.flows import data_plan, learning, progress, report
+from lightning_rl import progress
+from lightning_rl.flows import data_plan, learning, report
 from lightning_rl.flows.run_context import (
     RunContext,
     credit,

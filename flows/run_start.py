@@ -19,13 +19,12 @@ from prefect.artifacts import create_markdown_artifact
 from lightning_core.errors import InvalidInput
 from lightning_core.stats.evaluation import benchmark_id
 from lightning_core.types import RolloutStatus
-from lightning_rl.flows import data_plan, progress, report
+from lightning_rl import progress
+from lightning_rl.flows import data_plan, report
 from lightning_rl.flows.config import TrainConfig
-from lightning_rl.flows.gpu_slot import ensure_gpu_limit
 from lightning_rl.flows.held_out import evaluate, evaluate_extra_splits, record_evaluation
 from lightning_rl.flows.judging import check_judge
 from lightning_rl.flows.pipeline import PolicyRef
-from lightning_rl.flows.policy_server import PolicyServer, policy_server, store_client
 from lightning_rl.flows.profiles import AgentProfile, profile
 from lightning_rl.flows.run_context import (
     RunContext,
@@ -47,6 +46,8 @@ from lightning_rl.flows.run_state import (
     save_config,
 )
 from lightning_rl.flows.sft import check_sft, sft_warm_start
+from lightning_rl.gpu_slot import ensure_gpu_limit
+from lightning_rl.policy_server import PolicyServer, policy_server, store_client
 from lightning_rl.registry.config import RegistryConfig, resolve
 from lightning_rl.registry.live import warm_start_alias
 from lightning_rl.registry.run_start import RunDataset, log_run_start

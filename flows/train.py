@@ -42,7 +42,7 @@ from lightning_rl.flows import judging, run_end, run_start
 from lightning_rl.flows.batch_source import rollouts_ahead
 from lightning_rl.flows.config import TrainConfig, train_config_parameters
 from lightning_rl.flows.iteration import train_iteration
-from lightning_rl.flows.redacted import flow
+from lightning_rl.redacted import flow
 
 # The subflows, importable from here as before the flow was split into its stages' modules.
 __all__ = ["run_training", "train", "train_iteration"]

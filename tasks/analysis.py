@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from lightning_core.data import analytics
 from lightning_core.data.collect import Collected
 from lightning_core.errors import DiskFull
-from lightning_rl.flows.retries import retry_unless
+from lightning_rl.retries import retry_unless
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:

@@ -10,8 +10,8 @@ from prefect.cache_policies import NO_CACHE
 
 from lightning_core.rollouts.runner import AttemptResult
 from lightning_core.stats.evaluation import EvalResult, evaluate
-from lightning_rl.flows import progress
-from lightning_rl.flows.policy_server import store_client
+from lightning_rl import progress
+from lightning_rl.policy_server import store_client
 from lightning_rl.tasks.rollouts import make_runner
 
 

@@ -11,8 +11,8 @@ from prefect.cache_policies import NO_CACHE
 from lightning_core.errors import InvalidInput
 from lightning_core.judge.calibration import Calibration, calibrate
 from lightning_core.types import RolloutStatus, Sampling
-from lightning_rl.flows.judge_setup import JudgeSetup, judge_collected
-from lightning_rl.flows.policy_server import store_client
+from lightning_rl.judge_setup import JudgeSetup, judge_collected
+from lightning_rl.policy_server import store_client
 from lightning_rl.tasks.rollouts import sample_episodes
 
 

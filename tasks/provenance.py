@@ -21,7 +21,7 @@ from lightning_core.errors import PolicyNotServed
 from lightning_core.security.keys import bearer_header
 from lightning_core.semconv import ADAPTER_HASH_METADATA
 from lightning_core.types import PolicyVersion
-from lightning_rl.flows.policy_server import read_key, store_client
+from lightning_rl.policy_server import read_key, store_client
 
 # A greedy completion of a few tokens: seconds on CPU even behind a busy batch.
 PROBE_TIMEOUT_S = 300.0

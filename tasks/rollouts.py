@@ -17,10 +17,10 @@ from lightning_core.rollouts.agent_ref import load_agent
 from lightning_core.rollouts.runner import AttemptResult, Runner, RunnerConfig
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.types import RolloutRequest, Sampling
-from lightning_rl.flows import progress
-from lightning_rl.flows.judge_setup import JudgeSetup, judge_collected
-from lightning_rl.flows.policy_server import store_client
-from lightning_rl.flows.retries import retry_unless
+from lightning_rl import progress
+from lightning_rl.judge_setup import JudgeSetup, judge_collected
+from lightning_rl.policy_server import store_client
+from lightning_rl.retries import retry_unless
 
 
 def make_runner(
@@ -76,7 +76,7 @@ async def plan_rollouts(
     that a repeated run samples the same rollouts, and the G of a group still differ.
     `first_index` is the place of this plan's first rollout in the iteration (a later round of
     dynamic sampling continues where the earlier ones stopped). `key_file` holds the server's
-    API key (flows/policy_server.py), here and in every task that talks to the server.
+    API key (lightning_rl/policy_server.py), here and in every task that talks to the server.
     """
     requests = [
         RolloutRequest(

@@ -31,8 +31,8 @@ from lightning_core.errors import Conflict, NotFound
 from lightning_core.security.provenance import adapter_hash
 from lightning_core.semconv import ADAPTER_HASH_METADATA
 from lightning_core.types import PolicyVersion, Transition
-from lightning_rl.flows.gpu_slot import gpu_slot
-from lightning_rl.flows.policy_server import store_client
+from lightning_rl.gpu_slot import gpu_slot
+from lightning_rl.policy_server import store_client
 
 
 def mean_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:

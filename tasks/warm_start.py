@@ -18,8 +18,8 @@ from lightning_core.algo.trainer import LoRATrainer
 from lightning_core.data.adapter import AdapterConfig
 from lightning_core.data.collect import collect
 from lightning_core.types import Sampling, Transition
-from lightning_rl.flows.gpu_slot import gpu_slot
-from lightning_rl.flows.policy_server import store_client
+from lightning_rl.gpu_slot import gpu_slot
+from lightning_rl.policy_server import store_client
 from lightning_rl.tasks.rollouts import sample_episodes
 from lightning_rl.tasks.training import mean_metrics, save_adapter, split_updates
 

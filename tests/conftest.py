@@ -28,7 +28,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # Each test process gets a PREFECT_HOME of its own, set before anything imports Prefect (which
 # reads it once): `make test` runs two pytest-xdist workers, and on one shared home their
 # temporary Prefect servers would share one SQLite database and the `gpu` slot records of
-# flows/gpu_slot.py would make one worker's training wait for the other's. It also keeps the
+# lightning_rl/gpu_slot.py would make one worker's training wait for the other's. It also keeps the
 # tests out of the user's own ~/.prefect. Removed at exit (_stop_prefects_own_server).
 _PREFECT_HOME = tempfile.mkdtemp(
     prefix=f"prefect-home-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"

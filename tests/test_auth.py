@@ -325,7 +325,7 @@ def _command_lines() -> list[bytes]:
 def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_path):
     from lightning_core.data.adapter import AdapterConfig
     from lightning_core.data.collect import CreditConfig
-    from lightning_rl.flows.policy_server import policy_server, store_client
+    from lightning_rl.policy_server import policy_server, store_client
     from lightning_rl.tasks.rollouts import collect_transitions, plan_rollouts, run_rollouts
 
     db = tmp_path / "store.duckdb"
@@ -386,7 +386,7 @@ def test_the_flows_policy_server_needs_its_key_and_the_flows_tasks_have_it(tmp_p
 
 @pytest.mark.timeout(300)
 def test_the_flows_policy_server_takes_the_users_key(tmp_path, monkeypatch):
-    from lightning_rl.flows.policy_server import policy_server, store_client
+    from lightning_rl.policy_server import policy_server, store_client
 
     monkeypatch.setenv("LIGHTNING_API_KEY", KEY)
     with policy_server(

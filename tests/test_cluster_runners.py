@@ -31,8 +31,8 @@ import duckdb
 import pytest
 from prefect import unmapped
 
+from lightning_rl import progress
 from lightning_rl.flows import batch_source as batch_source_module
-from lightning_rl.flows import progress
 from lightning_rl.flows.config import TrainConfig
 from lightning_rl.flows.train import train
 from lightning_rl.registry.config import RegistryConfig

@@ -144,7 +144,7 @@ def test_the_cache_is_bounded_and_keyed_by_the_tokens():
 
 
 def test_the_offline_tasks_of_a_run_replay_the_frozen_layers(prefect_harness, tmp_path):
-    from lightning_rl.flows.gpu_slot import ensure_gpu_limit
+    from lightning_rl.gpu_slot import ensure_gpu_limit
     from lightning_rl.tasks.training import train_offline
 
     ensure_gpu_limit()  # the task holds the Prefect server's GPU slot while it trains

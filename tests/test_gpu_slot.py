@@ -2,7 +2,7 @@
 train-policy left the slot taken, and its resumed run waited for it with no message forever.
 
 Each process here is a flow's process as `lightning-rl train` makes it: its own temporary Prefect
-server (flows/prefect_server.py) on one PREFECT_HOME, a slot taken with flows/gpu_slot.py."""
+server (flows/prefect_server.py) on one PREFECT_HOME, a slot taken with lightning_rl/gpu_slot.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ PROCESS = textwrap.dedent(
     """
     import sys, time
     from lightning_rl.flows.prefect_server import temporary_server
-    from lightning_rl.flows.gpu_slot import SlotUnavailable, ensure_gpu_limit, gpu_slot
+    from lightning_rl.gpu_slot import SlotUnavailable, ensure_gpu_limit, gpu_slot
 
     with temporary_server():
         ensure_gpu_limit()

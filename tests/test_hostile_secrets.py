@@ -40,8 +40,8 @@ from lightning_core.security.redaction import MASKS
 from lightning_core.serving.config import SECRET_OPTIONS, ServerConfig, serve_options
 from lightning_rl.flows.cli import app
 from lightning_rl.flows.config import TrainConfig
-from lightning_rl.flows.policy_server import policy_server
 from lightning_rl.flows.run_state import CONFIG_FILE, save_config
+from lightning_rl.policy_server import policy_server
 from lightning_rl.registry import webhook
 from lightning_rl.registry.config import RegistryConfig
 from lightning_rl.registry.live_config import LiveConfig

@@ -34,7 +34,7 @@ from lightning_core.judge.transcript import clip_middle, render, task_text
 from lightning_core.store.client import HttpStoreClient
 from lightning_core.store.duckdb_store import DuckDBStore
 from lightning_core.types import RolloutRequest
-from lightning_rl.flows.judge_setup import JudgeSetup, api_key
+from lightning_rl.judge_setup import JudgeSetup, api_key
 from tests.conftest import ThreadedServer
 from tests.models import answering_model, scaled_tiny_model
 

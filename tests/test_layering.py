@@ -198,3 +198,53 @@ def test_the_command_line_is_one_package():
         if name.split(".")[0] == "typer" and "cli" not in path.relative_to(ROOT).parts
     ]
     assert outside == []
+
+
+# The lightning_rl side, bottom to top: the shared layer (lightning_rl/: policy server, gpu slot,
+# retries, progress, redaction), the MLflow registry, the Prefect tasks, the flows. Each folder
+# imports only the ones below it; agents stay apart (test_agents_import_only_tracing...).
+SIDE = {"lightning_rl": "shared", "registry": "registry", "tasks": "tasks", "flows": "flows"}
+BELOW = {
+    "shared": set(),
+    "registry": {"shared"},
+    "tasks": {"shared", "registry", "agents"},
+    "flows": {"shared", "registry", "tasks", "agents"},
+}
+
+
+def _side_of(name: str) -> str | None:
+    """Which folder of the lightning_rl side a module name belongs to (None: not this side)."""
+    if not name.startswith("lightning_rl."):
+        return None
+    sub = name.split(".")[1]
+    return sub if sub in ("registry", "tasks", "flows", "agents") else "shared"
+
+
+def _side_violations(imports: list[tuple[Path, str]]) -> list[str]:
+    wrong = []
+    for path, name in imports:
+        source, target = SIDE[path.relative_to(ROOT).parts[0]], _side_of(name)
+        if target is not None and target != source and target not in BELOW[source]:
+            wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    return wrong
+
+
+def test_imports_run_down_from_flows_to_tasks_to_the_shared_layer():
+    found = [pair for folder in SIDE for pair in _imports(ROOT / folder)]
+    assert {path.relative_to(ROOT).parts[0] for path, _ in found} == set(SIDE)
+    assert _side_violations(found) == []
+
+
+def test_the_side_rule_sees_an_import_from_above():
+    task, shared = ROOT / "tasks/rollouts.py", ROOT / "lightning_rl/progress.py"
+    assert _side_violations(
+        [
+            (task, "lightning_rl.flows.pipeline"),
+            (shared, "lightning_rl.tasks.rollouts"),
+            (task, "lightning_rl.policy_server"),
+            (shared, "lightning_core.errors"),
+        ]
+    ) == [
+        "tasks/rollouts.py imports lightning_rl.flows.pipeline",
+        "lightning_rl/progress.py imports lightning_rl.tasks.rollouts",
+    ]

@@ -467,7 +467,7 @@ def test_a_refused_gated_step_changes_nothing_and_dropout_measures_first():
 
 
 def test_the_offline_task_gates_its_one_update_by_the_gap(prefect_harness, tmp_path):
-    from lightning_rl.flows.gpu_slot import ensure_gpu_limit
+    from lightning_rl.gpu_slot import ensure_gpu_limit
     from lightning_rl.tasks.training import train_offline
 
     ensure_gpu_limit()  # the task holds the Prefect server's GPU slot while it trains

@@ -92,7 +92,7 @@ def _after(events: list[dict], stage: str) -> list[dict]:
 
 
 def _slots_held(home: Path) -> list[Path]:
-    # The record each holder of a `gpu` slot keeps while it holds it (flows/gpu_slot.py).
+    # The record each holder of a `gpu` slot keeps while it holds it (lightning_rl/gpu_slot.py).
     return list((home / "prefect" / "lightning-slots").glob("*.json"))
 
 

@@ -222,7 +222,7 @@ def archive(
     import asyncio
 
     from lightning_core.store.client import HttpStoreClient
-    from lightning_rl.flows.policy_server import read_key
+    from lightning_rl.policy_server import read_key
 
     if older_than_days is not None and older_than_days <= 0:
         fail(InvalidInput(f"--older-than-days must be > 0, got {older_than_days}"))

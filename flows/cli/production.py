@@ -90,8 +90,8 @@ def production(
     from lightning_core.store.config import StoreConfig
     from lightning_core.store.duckdb_store import DuckDBStore
     from lightning_core.types import PolicyVersion
-    from lightning_rl.flows.policy_server import read_key, write_key_file
     from lightning_rl.flows.profiles import profile
+    from lightning_rl.policy_server import read_key, write_key_file
     from lightning_rl.registry.config import RegistryConfig, resolve
     from lightning_rl.registry.follower import version_name
     from lightning_rl.registry.live_config import LiveConfig

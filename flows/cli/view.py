@@ -33,7 +33,7 @@ class LiveView:
         self.started = time.time()
 
     def update(self) -> None:
-        from lightning_rl.flows import progress
+        from lightning_rl import progress
 
         events, self.offset = progress.read(self.run_dir, self.offset)
         for e in events:

@@ -20,7 +20,7 @@ from lightning_core.judge.client import Judge
 from lightning_core.judge.config import SERVER, JudgeConfig
 from lightning_core.judge.groups import judge_rollouts
 from lightning_core.store.client import HttpStoreClient
-from lightning_rl.flows.policy_server import read_key
+from lightning_rl.policy_server import read_key
 
 CACHE_FILE = "judge.sqlite"
 
