@@ -133,13 +133,16 @@ def test_the_tutorial_runs_as_written(tmp_path, prefect_api_env):
                 os.killpg(process.pid, signal.SIGKILL)
 
     outputs = dict(ran)
-    train = next(out for cmd, out in ran if cmd.startswith("lightning-rl train"))
+    command, train = next((cmd, out) for cmd, out in ran if cmd.startswith("lightning-rl train"))
     assert "held-out tasks" in train and "registry:" in train, train
     assert (tmp_path / "runs" / "adder-1" / "checkpoint.json").is_file()
+    iterations = int(re.search(r"--iterations (\d+)", command).group(1))
     analyze = next(out for cmd, out in ran if cmd.startswith("lightning-rl analyze"))
     rows = [line.split() for line in analyze.splitlines()[1:] if line.strip()]
-    assert [int(row[0]) for row in rows] == [1, 2, 3, 4], analyze  # an iteration each
-    evaluation = next(out for cmd, out in ran if cmd.startswith("lightning-rl eval"))
-    assert "champion:" in evaluation and "on 50 test tasks" in evaluation, evaluation
+    # An iteration each, as many as the page's train command asks for.
+    assert [int(row[0]) for row in rows] == list(range(1, iterations + 1)), analyze
+    command, evaluation = next((c, out) for c, out in ran if c.startswith("lightning-rl eval"))
+    size = re.search(r"--eval-size (\d+)", command).group(1)
+    assert "champion:" in evaluation and f"on {size} test tasks" in evaluation, evaluation
     served = [out for body, out in ran if "X-Lightning-Episode" in body]
     assert served and re.search(r"feedback [01]\.0 -> 201", served[0]), outputs
