@@ -50,11 +50,12 @@ def figures(run: Path, save: bool = True) -> None:
     print(f"run {summary['run']}: {len(tasks)} held-out tasks, {summary['minutes']} min")
     print("| policy | accuracy | 95 % CI (Wilson) |")
     print("|---|---|---|")
-    scores = []
+    scores, intervals = [], []
     for name, outcome in ((base_name, base), (final_name, final)):
         k = sum(outcome[t] for t in tasks)
         low, high = wilson_interval(k, len(tasks))
         scores.append(f"{100 * k / len(tasks):.1f}")
+        intervals.append(f"{100 * low:.1f} to {100 * high:.1f}")
         print(f"| {name} | {k / len(tasks):.1%} | {low:.1%} - {high:.1%} |")
     gain = 100 * sum(diffs) / len(diffs)
     ci = f"{draws[250]:+.1f} to {draws[9750]:+.1f}"
@@ -62,7 +63,8 @@ def figures(run: Path, save: bool = True) -> None:
     print(f"newly solved {diffs.count(1)}, lost {diffs.count(-1)}, unchanged {diffs.count(0)}")
     record("calc_heldout_gain_points", f"{gain:.1f}", save=save)
     # Kept beside the gain, for README's result; the table above already printed them.
-    for name, value in zip(("base_pct", "final_pct", "gain_ci"), (*scores, ci), strict=True):
+    kept = ("base_pct", "final_pct", "base_ci", "final_ci", "gain_ci")
+    for name, value in zip(kept, (*scores, *intervals, ci), strict=True):
         record(f"calc_heldout_{name}", value, echo=False, save=save)
 
 
